@@ -1,0 +1,165 @@
+"""`InProcessDriver`: the scheduler and a model worker in this process, no sockets.
+
+Tests and `bench/` use it to drive the real scheduler with the real model (or a scripted
+worker). The multi-process Engine sends the same `TokenizedGenerateReqInput` messages, built by
+the same `make_requests`, to a scheduler in another process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from dataclasses import replace
+from typing import Any
+
+from managers.io_struct import AbortReq, BatchTokenIDOut, TokenizedGenerateReqInput
+from managers.scheduler import Scheduler
+from srt.sampling.sampling_params import SamplingParams
+from srt.server_args import ServerArgs
+
+
+def make_requests(
+    rid: str,
+    input_ids: list[int],
+    params: SamplingParams,
+    **fields: Any,
+) -> list[TokenizedGenerateReqInput]:
+    """One request, or for n > 1 a prefill-only request followed by n samples.
+
+    The prefill-only request (max_new_tokens=0) puts the prompt in the radix tree once; the n
+    samples, admitted after it, share it through the tree. Sample j gets seed `seed + j` when
+    the user gave a seed, so the n outputs differ but are reproducible.
+    """
+    if params.n == 1:
+        return [TokenizedGenerateReqInput(rid, input_ids, params, **fields)]
+    warm = replace(params, n=1, max_new_tokens=0, min_new_tokens=0)
+    reqs = [TokenizedGenerateReqInput(f"{rid}-prefill", input_ids, warm, **fields)]
+    for j in range(params.n):
+        seed = None if params.seed is None else params.seed + j
+        sample = replace(params, n=1, seed=seed)
+        reqs.append(TokenizedGenerateReqInput(f"{rid}-{j}", input_ids, sample, **fields))
+    return reqs
+
+
+def trim_stop_str(text: str, finish_reason: dict[str, Any] | None, params: SamplingParams) -> str:
+    """Cut the text at the stop string that finished the request (unless no_stop_trim)."""
+    if not finish_reason or params.no_stop_trim:
+        return text
+    matched = finish_reason.get("matched")
+    if isinstance(matched, str):
+        pos = text.find(matched)
+        if pos != -1:
+            return text[:pos]
+    return text
+
+
+class InProcessDriver:
+    def __init__(self, server_args: ServerArgs, worker: Any = None, tokenizer: Any = None) -> None:
+        if worker is None:
+            from managers.tp_worker import ModelWorker
+
+            worker = ModelWorker(server_args)
+        if tokenizer is None and hasattr(worker, "model_config"):
+            path = getattr(worker.model_config, "model_path", None)
+            if path is not None:
+                from srt.model_loader.loader import get_tokenizer
+
+                tokenizer = get_tokenizer(path, server_args.tokenizer_path)
+        self.worker = worker
+        self.tokenizer = tokenizer
+        self.outputs: dict[str, dict[str, Any]] = {}
+        self.scheduler = Scheduler(server_args, worker, self._on_output, tokenizer)
+        self._ids = itertools.count()
+
+    # ---- output sink ---------------------------------------------------------------
+    def _on_output(self, out: BatchTokenIDOut) -> None:
+        for i, rid in enumerate(out.rids):
+            state = self.outputs.setdefault(rid, {"meta_info": {"id": rid}, "output_ids": []})
+            state["output_ids"] = out.output_ids[i]
+            meta = state["meta_info"]
+            meta.update(
+                prompt_tokens=out.prompt_tokens[i],
+                completion_tokens=out.completion_tokens[i],
+                cached_tokens=out.cached_tokens[i],
+                finish_reason=out.finished_reasons[i],
+            )
+            if out.input_token_logprobs[i] or out.output_token_logprobs[i]:
+                for key in (
+                    "input_token_logprobs",
+                    "input_top_logprobs",
+                    "output_token_logprobs",
+                    "output_top_logprobs",
+                ):
+                    meta.setdefault(key, []).extend(getattr(out, key)[i])
+
+    # ---- API -----------------------------------------------------------------------
+    def submit(
+        self,
+        input_ids: list[int] | None = None,
+        params: SamplingParams | dict[str, Any] | None = None,
+        *,
+        text: str | None = None,
+        rid: str | None = None,
+        **fields: Any,
+    ) -> list[str]:
+        """Queue one prompt; returns the rids whose outputs the caller should read."""
+        if isinstance(params, dict) or params is None:
+            params = SamplingParams.from_dict(params or {})
+        params.normalize()
+        params.verify(self.scheduler.vocab_size)
+        if input_ids is None:
+            if text is None or self.tokenizer is None:
+                raise ValueError("give input_ids, or text with a tokenizer")
+            input_ids = self.tokenizer.encode(text)
+        rid = rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        msgs = make_requests(rid, list(input_ids), params, input_text=text, **fields)
+        for msg in msgs:
+            self.outputs[msg.rid] = {"meta_info": {"id": msg.rid}, "output_ids": [], "_t0": time.perf_counter(), "_params": msg.sampling_params}
+            self.scheduler.handle(msg)
+        return [m.rid for m in msgs if m.sampling_params.max_new_tokens != 0 or params.n == 1]
+
+    def abort(self, rid: str) -> None:
+        self.scheduler.handle(AbortReq(rid))
+
+    def step(self) -> bool:
+        return self.scheduler.step()
+
+    def run_until_idle(self) -> None:
+        self.scheduler.run_until_idle()
+
+    def result(self, rid: str) -> dict[str, Any]:
+        state = self.outputs[rid]
+        meta = state["meta_info"]
+        if "e2e_latency" not in meta and meta.get("finish_reason") is not None:
+            meta["e2e_latency"] = time.perf_counter() - state["_t0"]
+        out = {"output_ids": state["output_ids"], "meta_info": meta}
+        if self.tokenizer is not None:
+            params: SamplingParams = state["_params"]
+            text = self.tokenizer.decode(
+                state["output_ids"], skip_special_tokens=params.skip_special_tokens
+            )
+            out["text"] = trim_stop_str(text, meta.get("finish_reason"), params)
+        return out
+
+    def generate(
+        self,
+        prompts: list[list[int]] | list[str],
+        params: SamplingParams | dict[str, Any] | list[Any] | None = None,
+        **fields: Any,
+    ) -> list[dict[str, Any]]:
+        """Submit every prompt, run to completion, return SGLang-shaped results in order.
+
+        A prompt with n > 1 contributes n consecutive results.
+        """
+        if not isinstance(params, list):
+            params = [params] * len(prompts)
+        rids: list[str] = []
+        for prompt, p in zip(prompts, params, strict=True):
+            p = replace(p) if isinstance(p, SamplingParams) else p
+            if isinstance(prompt, str):
+                rids += self.submit(None, p, text=prompt, **fields)
+            else:
+                rids += self.submit(prompt, p, **fields)
+        self.run_until_idle()
+        return [self.result(r) for r in rids]

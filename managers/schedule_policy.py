@@ -1,0 +1,209 @@
+"""Waiting-queue order (`SchedulePolicy`) and prefill admission (`PrefillAdder`).
+
+`lpm` sorts by the longest prefix match against the radix tree. Requests whose prefix is not
+cached yet but is shared with a request ahead of them in the queue are held back for one
+round: the request ahead fills the cache, and they hit it next round instead of computing the
+same prefix twice in one batch. Past `LPM_FALLBACK_QUEUE_LEN` waiting requests, matching every
+request costs more than it saves and the order falls back to FCFS.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from enum import Enum, auto
+from typing import TYPE_CHECKING
+
+import torch
+
+from managers.req import Req
+from mem_cache.radix_cache import RadixCache
+
+if TYPE_CHECKING:
+    from mem_cache.base_prefix_cache import BasePrefixCache
+
+LPM_FALLBACK_QUEUE_LEN = 128
+# A request whose cached prefix is at most this long is checked against the waiting queue...
+IN_BATCH_PREFIX_CHECK_THRESHOLD = 32
+# ...and held back when it shares at least this many tokens with a request ahead of it.
+IN_BATCH_PREFIX_HOLD_THRESHOLD = 32
+# Decode growth reserved per running request is capped at this many tokens.
+CLIP_MAX_NEW_TOKENS = 4096
+
+
+class SchedulePolicy:
+    def __init__(self, policy: str, tree_cache: BasePrefixCache, page_size: int = 1) -> None:
+        if policy not in ("lpm", "fcfs", "dfs-weight"):
+            raise ValueError(f"unknown schedule policy {policy!r}")
+        self.policy = policy
+        self.tree_cache = tree_cache
+        self.page_size = page_size
+        self.held_back: set[str] = set()
+
+    def calc_priority(self, waiting_queue: list[Req]) -> None:
+        """Match every waiting request against the tree and reorder `waiting_queue` in place."""
+        self.held_back = set()
+        policy = self.policy
+        if policy == "lpm" and len(waiting_queue) > LPM_FALLBACK_QUEUE_LEN:
+            policy = "fcfs"
+        if policy == "fcfs":
+            for req in waiting_queue:
+                req.init_next_round_input(self.tree_cache)
+            return
+        self._match_and_find_held_back(waiting_queue)
+        if policy == "lpm":
+            waiting_queue.sort(
+                key=lambda r: (r.rid in self.held_back, -len(r.prefix_indices))
+            )
+        else:
+            waiting_queue[:] = self._dfs_weight_order(waiting_queue)
+
+    def _match_and_find_held_back(self, waiting_queue: list[Req]) -> None:
+        # A pool-less tree of the uncached prompts seen so far in this round.
+        in_batch = RadixCache(None, None, page_size=self.page_size)
+        for req in waiting_queue:
+            req.init_next_round_input(self.tree_cache)
+            if len(req.prefix_indices) > IN_BATCH_PREFIX_CHECK_THRESHOLD:
+                continue
+            key = req.fill_ids
+            shared = len(in_batch.match_prefix(key, extra_key=req.extra_key).device_indices)
+            if shared >= IN_BATCH_PREFIX_HOLD_THRESHOLD:
+                self.held_back.add(req.rid)
+            else:
+                in_batch.insert(key, torch.zeros(len(key), dtype=torch.int64), req.extra_key)
+
+    def _dfs_weight_order(self, waiting_queue: list[Req]) -> list[Req]:
+        """Visit the tree depth-first, heaviest subtree (most waiting requests) first."""
+        by_node: dict[int, list[Req]] = defaultdict(list)
+        nodes: dict[int, object] = {}
+        for req in waiting_queue:
+            by_node[id(req.last_node)].append(req)
+            nodes[id(req.last_node)] = req.last_node
+        weight: dict[int, int] = defaultdict(int)
+        for node_id, reqs in by_node.items():
+            node = nodes[node_id]
+            while node is not None:
+                weight[id(node)] += len(reqs)
+                node = node.parent
+        root = self.tree_cache.root_node if hasattr(self.tree_cache, "root_node") else None
+        if root is None:
+            return waiting_queue
+        order: list[Req] = []
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            order.extend(by_node.get(id(node), []))
+            kids = [c for c in node.children.values() if weight.get(id(c), 0) > 0]
+            kids.sort(key=lambda c: weight[id(c)])  # heaviest popped first
+            stack.extend(kids)
+        seen = {id(r) for r in order}
+        return order + [r for r in waiting_queue if id(r) not in seen]
+
+
+class AddResult(Enum):
+    CONTINUE = auto()
+    NO_TOKEN = auto()  # the total-token budget is exhausted
+    OTHER = auto()  # prefill or chunk budget, or the running-request cap
+
+
+class PrefillAdder:
+    """Admit waiting requests under three budgets: total tokens, prefill tokens, chunk size.
+
+    The total-token budget is the KV that is free or evictable, minus what running requests
+    are expected to still grow by (`new_token_ratio` times their remaining `max_new_tokens`).
+    """
+
+    def __init__(
+        self,
+        tree_cache: BasePrefixCache,
+        available_tokens: int,
+        running_reqs: list[Req],
+        new_token_ratio: float,
+        max_prefill_tokens: int,
+        chunk_size: int | None,
+        max_new_reqs: int,
+        page_size: int = 1,
+    ) -> None:
+        self.tree_cache = tree_cache
+        self.new_token_ratio = new_token_ratio
+        self.page_size = page_size
+        self.has_running = bool(running_reqs)
+        self.rem_total_tokens = available_tokens - sum(
+            self._decode_reserve(r) for r in running_reqs
+        )
+        self.rem_input_tokens = max_prefill_tokens
+        self.rem_chunk_tokens = chunk_size
+        self.rem_reqs = max_new_reqs
+        self.can_run_list: list[Req] = []
+        self.new_chunked_req: Req | None = None
+        self.log_input_tokens = 0
+        self.log_hit_tokens = 0
+
+    def _decode_reserve(self, req: Req) -> float:
+        max_new = req.sampling_params.max_new_tokens or 0
+        remaining = max(max_new - len(req.output_ids), 0)
+        return min(remaining, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
+
+    def _lock(self, req: Req) -> None:
+        before = self.tree_cache.evictable_size()
+        self.tree_cache.inc_lock_ref(req.last_node)
+        self.rem_total_tokens -= before - self.tree_cache.evictable_size()
+
+    def _unlock(self, req: Req) -> None:
+        before = self.tree_cache.evictable_size()
+        self.tree_cache.dec_lock_ref(req.last_node)
+        self.rem_total_tokens += self.tree_cache.evictable_size() - before
+
+    def _check_budgets(self, req: Req, extend: int) -> AddResult | None:
+        # With nothing else running, a request only needs room for its prompt: if it then
+        # outgrows the pool, it is finished with an error instead of waiting forever.
+        alone = not self.can_run_list and not self.has_running
+        reserve = 0.0 if alone else self._decode_reserve(req)
+        if extend + reserve > self.rem_total_tokens:
+            return AddResult.NO_TOKEN
+        if self.can_run_list and min(extend, self.rem_chunk_tokens or extend) > self.rem_input_tokens:
+            return AddResult.OTHER
+        if self.rem_chunk_tokens is not None and extend > self.rem_chunk_tokens:
+            if self.rem_chunk_tokens // self.page_size * self.page_size <= 0:
+                return AddResult.OTHER
+        return None
+
+    def _take(self, req: Req, extend_len: int) -> None:
+        self.can_run_list.append(req)
+        self.rem_total_tokens -= extend_len + self._decode_reserve(req)
+        self.rem_input_tokens -= extend_len
+        if self.rem_chunk_tokens is not None:
+            self.rem_chunk_tokens -= extend_len
+        self.rem_reqs -= 1
+        self.log_input_tokens += extend_len
+        self.log_hit_tokens += len(req.prefix_indices)
+
+    def add_chunked_req(self, req: Req) -> None:
+        """Continue a chunked prompt; its prefix is already locked."""
+        remaining = req.seq_len() - len(req.prefix_indices)
+        chunk = remaining if self.rem_chunk_tokens is None else min(remaining, self.rem_chunk_tokens)
+        req.set_chunk(chunk)
+        self._take(req, chunk)
+        if req.is_chunked:
+            self.new_chunked_req = req
+
+    def add_one_req(self, req: Req) -> AddResult:
+        if self.rem_reqs <= 0:
+            return AddResult.OTHER
+        extend = req.extend_input_len
+        # Lock first: the matched prefix stops being evictable, so it leaves the budget.
+        self._lock(req)
+        result = self._check_budgets(req, extend)
+        if result is not None:
+            self._unlock(req)
+            return result
+        if self.rem_chunk_tokens is not None and extend > self.rem_chunk_tokens:
+            chunk = self.rem_chunk_tokens // self.page_size * self.page_size
+            req.set_chunk(chunk)
+            self._take(req, chunk)
+            self.new_chunked_req = req
+            return AddResult.OTHER
+        req.set_chunk(extend)
+        self._take(req, extend)
+        if self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0:
+            return AddResult.OTHER
+        return AddResult.CONTINUE

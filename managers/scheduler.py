@@ -1,0 +1,319 @@
+"""The scheduler: waiting queue, running batch, and one iteration of the event loop.
+
+Each `step()`:
+  1. `get_next_batch_to_run`: merge the last prefill batch into the running batch, then try
+     a new prefill batch (PrefillAdder over the policy-ordered waiting queue); if there is
+     none, decode the running batch, retracting requests first if the KV pool is short;
+  2. run it on the model worker;
+  3. `process_batch_result`: append tokens, check stop conditions, cache or free finished
+     requests, and emit a `BatchTokenIDOut`.
+
+The worker is anything with `model_config`, `get_memory_pool()` and
+`forward_batch_generation(ModelWorkerBatch)`: the real `ModelWorker`, or a scripted test
+double. Message handling (new requests, aborts, flushes) is in `handle()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from typing import Any
+
+from managers.io_struct import AbortReq, BatchTokenIDOut, FlushCacheReq, TokenizedGenerateReqInput
+from managers.req import Req, finish_abort
+from managers.schedule_batch import ScheduleBatch
+from managers.schedule_policy import AddResult, PrefillAdder, SchedulePolicy
+from managers.scheduler_output import SchedulerOutputMixin
+from mem_cache.chunk_cache import ChunkCache
+from mem_cache.integrity import check_memory_integrity
+from mem_cache.radix_cache import RadixCache
+from srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
+RETRACT_DECODE_STEPS = 20
+
+
+class Scheduler(SchedulerOutputMixin):
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        worker: Any,
+        output_sink: Callable[[BatchTokenIDOut], None],
+        tokenizer: Any = None,
+    ) -> None:
+        self.server_args = server_args
+        self.worker = worker
+        self.output_sink = output_sink
+        self.tokenizer = tokenizer
+        cfg = worker.model_config
+        self.vocab_size: int = cfg.vocab_size
+        self.eos_token_ids: list[int] = list(cfg.eos_token_ids)
+        self.context_len: int = cfg.context_len
+        self.page_size = server_args.page_size
+        self.req_to_token_pool, self.allocator = worker.get_memory_pool()
+        self.max_total_tokens = self.allocator.total_size()
+        self.max_running_requests = self.req_to_token_pool.size
+        if server_args.disable_radix_cache:
+            self.tree_cache = ChunkCache(self.req_to_token_pool, self.allocator, self.page_size)
+        else:
+            self.tree_cache = RadixCache(
+                self.req_to_token_pool,
+                self.allocator,
+                page_size=self.page_size,
+                eviction_policy=server_args.radix_eviction_policy,
+            )
+        self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, self.page_size)
+        self.waiting_queue: list[Req] = []
+        self.running_batch = self._new_batch([])
+        self.chunked_req: Req | None = None
+        self.last_batch: ScheduleBatch | None = None
+        self.init_new_token_ratio = min(
+            INIT_NEW_TOKEN_RATIO * server_args.schedule_conservativeness, 1.0
+        )
+        self.min_new_token_ratio = min(
+            MIN_NEW_TOKEN_RATIO * server_args.schedule_conservativeness, 1.0
+        )
+        self.new_token_ratio = self.init_new_token_ratio
+        self.new_token_ratio_decay = (
+            self.init_new_token_ratio - self.min_new_token_ratio
+        ) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.seed_rng = random.Random(server_args.random_seed)
+        self.num_retracted_reqs = 0
+        self.forward_ct = 0
+        self.was_idle = True
+        self._init_output_state()
+
+    def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
+        return ScheduleBatch(
+            reqs,
+            self.req_to_token_pool,
+            self.allocator,
+            self.tree_cache,
+            self.vocab_size,
+            self.eos_token_ids,
+            self.page_size,
+        )
+
+    # ---- messages ------------------------------------------------------------------
+    def handle(self, msg: Any) -> None:
+        if isinstance(msg, TokenizedGenerateReqInput):
+            self.add_request(msg)
+        elif isinstance(msg, AbortReq):
+            self.abort_request(msg)
+        elif isinstance(msg, FlushCacheReq):
+            self.flush_cache()
+        else:
+            raise TypeError(f"unknown message {type(msg).__name__}")
+
+    def add_request(self, msg: TokenizedGenerateReqInput) -> None:
+        params = msg.sampling_params
+        seed = params.seed if params.seed is not None else self.seed_rng.getrandbits(63)
+        req = Req(
+            msg.rid,
+            list(msg.input_ids),
+            params,
+            sampling_seed=seed,
+            eos_token_ids=frozenset(self.eos_token_ids),
+            return_logprob=msg.return_logprob,
+            logprob_start_len=msg.logprob_start_len,
+            top_logprobs_num=msg.top_logprobs_num,
+            stream=msg.stream,
+            extra_key=msg.extra_key,
+        )
+        error = self._validate(req)
+        if error is not None:
+            req.finished_reason = finish_abort(error, status_code=400)
+            self.emit([req])
+            return
+        self.waiting_queue.append(req)
+
+    def _validate(self, req: Req) -> str | None:
+        n = len(req.origin_input_ids)
+        if n == 0:
+            return "The input is empty."
+        if n >= self.context_len:
+            return (
+                f"The input ({n} tokens) is longer than the model's context length "
+                f"({self.context_len} tokens)."
+            )
+        if n + 1 > self.max_total_tokens - self.page_size:
+            return (
+                f"The input ({n} tokens) can never fit in the KV cache pool "
+                f"({self.max_total_tokens} tokens)."
+            )
+        if any(t < 0 or t >= self.vocab_size for t in req.origin_input_ids):
+            return f"Input token ids must be in [0, {self.vocab_size})."
+        return None
+
+    def abort_request(self, msg: AbortReq) -> None:
+        def hit(r: Req) -> bool:
+            return msg.abort_all or r.rid == msg.rid
+
+        for req in [r for r in self.waiting_queue if hit(r)]:
+            self.waiting_queue.remove(req)
+            req.finished_reason = finish_abort("Aborted by request.")
+            self.emit([req])
+        running = self.running_batch.reqs + ([self.chunked_req] if self.chunked_req else [])
+        for req in running:
+            if hit(req) and not req.finished():
+                req.to_abort = finish_abort("Aborted by request.")
+
+    def flush_cache(self) -> bool:
+        if self.waiting_queue or not self.running_batch.is_empty() or self.chunked_req:
+            logger.warning("Cache not flushed: there are running or waiting requests.")
+            return False
+        self.tree_cache.reset()
+        self.new_token_ratio = self.init_new_token_ratio
+        logger.info("Cache flushed.")
+        return True
+
+    # ---- one iteration -------------------------------------------------------------
+    def is_idle(self) -> bool:
+        return not self.waiting_queue and self.running_batch.is_empty() and self.chunked_req is None
+
+    def step(self) -> bool:
+        """Run one batch if there is one; return whether anything ran."""
+        batch = self.get_next_batch_to_run()
+        self.last_batch = batch
+        if batch is None:
+            if not self.was_idle and self.is_idle():
+                self.was_idle = True
+                self.check_memory()
+            return False
+        self.was_idle = False
+        result = self.worker.forward_batch_generation(batch.model_worker_batch())
+        self.forward_ct += 1
+        self.process_batch_result(batch, result)
+        return True
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
+        for _ in range(max_steps):
+            if not self.step() and self.is_idle():
+                return
+        raise RuntimeError(f"scheduler not idle after {max_steps} steps")
+
+    def check_memory(self) -> None:
+        check_memory_integrity(self.allocator, self.tree_cache, self.running_batch.reqs)
+
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        last = self.last_batch
+        if last is not None and last.forward_mode.is_extend():
+            last.filter_batch()
+            if not last.is_empty():
+                if last.forward_mode.is_mixed():
+                    self.running_batch.reqs = last.reqs
+                else:
+                    self.running_batch.merge_batch(last)
+        self.last_batch = None
+        new_batch = self.get_new_batch_prefill()
+        if new_batch is not None:
+            return new_batch
+        return self.update_running_batch()
+
+    def get_new_batch_prefill(self) -> ScheduleBatch | None:
+        if not self.waiting_queue and self.chunked_req is None:
+            return None
+        running = self.running_batch.reqs
+        max_new_reqs = min(
+            self.max_running_requests - len(running), self.req_to_token_pool.available_size()
+        )
+        if self.chunked_req is not None:
+            max_new_reqs += 1  # the chunked request already holds a row
+        if max_new_reqs <= 0:
+            return None
+        self.policy.calc_priority(self.waiting_queue)
+        adder = PrefillAdder(
+            self.tree_cache,
+            self.allocator.available_size() + self.tree_cache.evictable_size(),
+            running,
+            self.new_token_ratio,
+            self.server_args.max_prefill_tokens,
+            self.server_args.chunk_size,
+            max_new_reqs,
+            self.page_size,
+        )
+        if self.chunked_req is not None:
+            adder.add_chunked_req(self.chunked_req)
+        for req in self.waiting_queue:
+            if req.rid in self.policy.held_back and (adder.can_run_list or running):
+                continue
+            if adder.add_one_req(req) != AddResult.CONTINUE:
+                break
+        self.chunked_req = adder.new_chunked_req
+        if not adder.can_run_list:
+            return None
+        taken = {id(r) for r in adder.can_run_list}
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in taken]
+        batch = self._new_batch(adder.can_run_list)
+        batch.prepare_for_extend()
+        if self.server_args.enable_mixed_chunk and running and self.chunked_req is not None:
+            self._prepare_running_for_decode()
+            if not self.running_batch.is_empty():
+                batch.mix_with_running(self.running_batch)
+                self.running_batch = self._new_batch([])
+        self.log_prefill_stats(adder, batch)
+        return batch
+
+    def update_running_batch(self) -> ScheduleBatch | None:
+        if not self._prepare_running_for_decode():
+            return None
+        self.running_batch.prepare_for_decode()
+        self.new_token_ratio = max(
+            self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio
+        )
+        return self.running_batch
+
+    def _prepare_running_for_decode(self) -> bool:
+        """Drop finished requests and retract until the next decode step fits."""
+        batch = self.running_batch
+        batch.filter_batch()
+        if batch.is_empty():
+            return False
+        retracted = self.retract_until_fits(batch)
+        if retracted:
+            self.waiting_queue.extend(retracted)
+            logger.warning(
+                "KV cache pool is full. Retract requests. #retracted_reqs: %d, "
+                "#new_token_ratio: %.4f",
+                len(retracted),
+                self.new_token_ratio,
+            )
+        return not batch.is_empty()
+
+    def retract_until_fits(self, batch: ScheduleBatch) -> list[Req]:
+        def fits(steps: int) -> bool:
+            free = self.allocator.available_size() + self.tree_cache.evictable_size()
+            return free >= batch.decode_tokens_needed() * steps
+
+        if fits(1):
+            return []
+        retracted: list[Req] = []
+        # Fewest output tokens first; among those, the longest prompt frees the most KV.
+        order = sorted(batch.reqs, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+        while not fits(min(RETRACT_DECODE_STEPS, 1 + len(retracted))) and len(order) > 1:
+            req = order.pop(0)
+            batch.reqs.remove(req)
+            self.tree_cache.cache_finished_req(req)
+            req.reset_for_retract()
+            retracted.append(req)
+        if not fits(1):
+            # A lone request that cannot get one more slot can never finish.
+            req = order[0]
+            req.finished_reason = finish_abort(
+                f"The KV cache pool ({self.max_total_tokens} tokens) is too small for this "
+                f"request ({req.seq_len()} tokens so far)."
+            )
+            batch.reqs.remove(req)
+            self.tree_cache.cache_finished_req(req)
+            self.emit([req])
+        self.num_retracted_reqs += len(retracted)
+        total_decoded = sum(len(r.output_ids) for r in batch.reqs)
+        total_max_new = sum(r.sampling_params.max_new_tokens or 0 for r in batch.reqs) or 1
+        ratio = (total_decoded + RETRACT_DECODE_STEPS * len(batch.reqs)) / total_max_new
+        self.new_token_ratio = max(self.new_token_ratio, min(1.0, ratio))
+        return retracted

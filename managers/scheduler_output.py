@@ -1,0 +1,169 @@
+"""The scheduler's result side: apply a forward's tokens to requests, emit, and log.
+
+Kept apart from scheduler.py so the loop and admission logic read in one sitting.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from managers.io_struct import BatchTokenIDOut
+from managers.req import Req, finish_length
+
+if TYPE_CHECKING:
+    from managers.schedule_batch import ScheduleBatch
+    from managers.schedule_policy import PrefillAdder
+
+logger = logging.getLogger(__name__)
+
+DECODE_LOG_INTERVAL = 40
+
+
+@dataclass
+class GenerationBatchResult:
+    """What the worker returns for one forward: one entry per request of the batch."""
+
+    next_token_ids: list[int]
+    next_token_logprobs: list[float] | None = None
+    next_top_logprobs: list[list[tuple[float, int]]] | None = None
+    # Prompt logprobs per request (None where not asked): values for that forward's targets.
+    input_token_logprobs: list[list[float] | None] | None = None
+    input_top_logprobs: list[list[list[tuple[float, int]]] | None] | None = None
+
+
+class SchedulerOutputMixin:
+    def _init_output_state(self: Any) -> None:
+        self.decode_tic = time.perf_counter()
+        self.decode_tokens_since_log = 0
+
+    def process_batch_result(self: Any, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
+        emit: list[Req] = []
+        extend = batch.forward_mode.is_extend()
+        for i, req in enumerate(batch.reqs):
+            if extend:
+                self._apply_input_logprobs(req, result, i, batch.prefix_lens[i])
+            if req.finished():
+                continue
+            if req.to_abort is not None and req.is_chunked:
+                req.finished_reason = req.to_abort
+                req.is_chunked = False
+                self.chunked_req = None
+            elif req.is_chunked:
+                self.tree_cache.cache_unfinished_req(req)
+                continue
+            req.input_logprobs_done = True
+            if req.finished():
+                pass
+            elif req.sampling_params.max_new_tokens == 0:
+                req.finished_reason = finish_length(0)
+            else:
+                req.output_ids.append(result.next_token_ids[i])
+                if req.return_logprob and result.next_token_logprobs is not None:
+                    req.output_token_logprobs.append(
+                        (result.next_token_logprobs[i], result.next_token_ids[i])
+                    )
+                    if req.top_logprobs_num and result.next_top_logprobs is not None:
+                        req.output_top_logprobs.append(result.next_top_logprobs[i])
+                req.check_finished(self.context_len, self._tail_text)
+            if req.finished():
+                self.tree_cache.cache_finished_req(req)
+                emit.append(req)
+            else:
+                if extend:
+                    # Put the prompt in the tree now so requests behind it can share it.
+                    self.tree_cache.cache_unfinished_req(req)
+                if req.stream:
+                    emit.append(req)
+        if not extend:
+            self.decode_tokens_since_log += len(batch.reqs)
+            if self.forward_ct % DECODE_LOG_INTERVAL == 0:
+                self.log_decode_stats()
+        self.emit(emit)
+
+    def _apply_input_logprobs(
+        self: Any, req: Req, result: GenerationBatchResult, i: int, prefix_len: int
+    ) -> None:
+        if req.input_logprobs_done or result.input_token_logprobs is None:
+            return
+        values = result.input_token_logprobs[i]
+        if values is None:
+            return
+        if prefix_len == 0 and req.logprob_start_len == 0:
+            req.input_token_logprobs.append((None, req.origin_input_ids[0]))
+            req.input_top_logprobs.append(None)
+        lo = max(prefix_len, req.logprob_start_len - 1)
+        targets = req.origin_input_ids[lo + 1 : lo + 1 + len(values)]
+        req.input_token_logprobs.extend(zip(values, targets, strict=True))
+        tops = result.input_top_logprobs[i] if result.input_top_logprobs else None
+        if req.top_logprobs_num:
+            req.input_top_logprobs.extend(tops or [[] for _ in values])
+
+    def _tail_text(self: Any, req: Req, n: int) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(req.output_ids[-n:], skip_special_tokens=False)
+
+    def emit(self: Any, reqs: list[Req]) -> None:
+        if not reqs:
+            return
+        out = BatchTokenIDOut([], [], [], [], [], [], [])
+        for req in reqs:
+            out.rids.append(req.rid)
+            out.new_token_ids.append(req.output_ids[req.sent_output_len :])
+            out.output_ids.append(list(req.output_ids))
+            req.sent_output_len = len(req.output_ids)
+            out.finished_reasons.append(req.finished_reason.to_json() if req.finished() else None)
+            out.prompt_tokens.append(len(req.origin_input_ids))
+            out.completion_tokens.append(len(req.output_ids))
+            out.cached_tokens.append(req.cached_tokens)
+            if req.return_logprob:
+                o, n_in = req.sent_output_logprob_len, req.sent_input_logprob_len
+                out.output_token_logprobs.append(req.output_token_logprobs[o:])
+                out.output_top_logprobs.append(req.output_top_logprobs[o:])
+                out.input_token_logprobs.append(req.input_token_logprobs[n_in:])
+                out.input_top_logprobs.append(req.input_top_logprobs[n_in:])
+                req.sent_output_logprob_len = len(req.output_token_logprobs)
+                req.sent_input_logprob_len = len(req.input_token_logprobs)
+            else:
+                for lst in (
+                    out.output_token_logprobs,
+                    out.output_top_logprobs,
+                    out.input_token_logprobs,
+                    out.input_top_logprobs,
+                ):
+                    lst.append([])
+        self.output_sink(out)
+
+    # ---- logging -------------------------------------------------------------------
+    def token_usage(self: Any) -> float:
+        used = self.max_total_tokens - self.allocator.available_size() - self.tree_cache.evictable_size()
+        return used / self.max_total_tokens
+
+    def log_prefill_stats(self: Any, adder: PrefillAdder, batch: ScheduleBatch) -> None:
+        logger.info(
+            "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, "
+            "token usage: %.2f, #running-req: %d, #queue-req: %d",
+            len(adder.can_run_list),
+            adder.log_input_tokens,
+            adder.log_hit_tokens,
+            self.token_usage(),
+            len(self.running_batch.reqs),
+            len(self.waiting_queue),
+        )
+
+    def log_decode_stats(self: Any) -> None:
+        now = time.perf_counter()
+        throughput = self.decode_tokens_since_log / max(now - self.decode_tic, 1e-9)
+        self.decode_tic, self.decode_tokens_since_log = now, 0
+        logger.info(
+            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
+            "gen throughput (token/s): %.2f, #queue-req: %d",
+            len(self.running_batch.reqs),
+            self.max_total_tokens - self.allocator.available_size(),
+            self.token_usage(),
+            throughput,
+            len(self.waiting_queue),
+        )

@@ -1,0 +1,101 @@
+"""`ModelWorker`: turns a `ModelWorkerBatch` into a forward, a sample and a result.
+
+The scheduler only talks to this interface (`model_config`, `get_memory_pool()`,
+`forward_batch_generation()`), which is what lets tests swap in a scripted worker.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from managers.schedule_batch import ModelWorkerBatch
+from managers.scheduler_output import GenerationBatchResult
+from srt.configs.model_config import ModelConfig
+from srt.model_executor.forward_batch import ForwardBatch
+from srt.model_executor.model_runner import ModelRunner
+from srt.sampling.sampler import get_token_logprobs, get_top_logprobs
+from srt.server_args import ServerArgs
+
+
+class ModelWorker:
+    def __init__(self, server_args: ServerArgs, model_config: ModelConfig | None = None) -> None:
+        self.server_args = server_args
+        self.model_config = model_config or ModelConfig.from_path(
+            server_args.model_path,
+            dtype=server_args.dtype,
+            context_length=server_args.context_length,
+            cache_dir=server_args.cache_dir,
+        )
+        self.model_runner = ModelRunner(self.model_config, server_args)
+        self.device = self.model_runner.device
+
+    def get_memory_pool(self):  # noqa: ANN201 - (ReqToTokenPool, TokenToKVPoolAllocator)
+        return self.model_runner.req_to_token_pool, self.model_runner.allocator
+
+    def to_forward_batch(self, mwb: ModelWorkerBatch) -> ForwardBatch:
+        dev = self.device
+
+        def lens(xs: list[int] | None) -> torch.Tensor | None:
+            return None if xs is None else torch.tensor(xs, dtype=torch.int64, device=dev)
+
+        return ForwardBatch(
+            forward_mode=mwb.forward_mode,
+            batch_size=len(mwb.seq_lens_cpu),
+            input_ids=mwb.input_ids.to(dev),
+            positions=mwb.positions.to(dev),
+            out_cache_loc=mwb.out_cache_loc.to(dev),
+            req_pool_indices=mwb.req_pool_indices.to(dev),
+            seq_lens=mwb.seq_lens.to(dev),
+            seq_lens_cpu=mwb.seq_lens_cpu,
+            extend_prefix_lens=lens(mwb.extend_prefix_lens_cpu),
+            extend_seq_lens=lens(mwb.extend_seq_lens_cpu),
+            extend_prefix_lens_cpu=mwb.extend_prefix_lens_cpu,
+            extend_seq_lens_cpu=mwb.extend_seq_lens_cpu,
+            logits_indices=mwb.logits_indices.to(dev),
+        )
+
+    @torch.inference_mode()
+    def forward_batch_generation(self, mwb: ModelWorkerBatch) -> GenerationBatchResult:
+        logits = self.model_runner.forward(self.to_forward_batch(mwb))
+        sample_logits = logits[mwb.sample_indices.to(logits.device)]
+        out = self.model_runner.sampler.forward(
+            sample_logits,
+            mwb.sampling_info,
+            return_logprob=mwb.return_logprob,
+            top_logprobs_nums=mwb.top_logprobs_nums,
+        )
+        result = GenerationBatchResult(next_token_ids=out.next_token_ids.tolist())
+        if mwb.return_logprob:
+            result.next_token_logprobs = out.next_token_logprobs.tolist()
+            if out.top_logprobs_val is not None:
+                result.next_top_logprobs = [
+                    list(zip(v, i, strict=True))
+                    for v, i in zip(out.top_logprobs_val, out.top_logprobs_idx, strict=True)
+                ]
+        if any(spec is not None for spec in mwb.input_logprob_specs):
+            self._input_logprobs(logits, mwb, result)
+        return result
+
+    @staticmethod
+    def _input_logprobs(
+        logits: torch.Tensor, mwb: ModelWorkerBatch, result: GenerationBatchResult
+    ) -> None:
+        """Prompt logprobs: the raw model distribution at each prompt position."""
+        values: list[list[float] | None] = []
+        tops: list[list[list[tuple[float, int]]] | None] = []
+        for spec, k in zip(mwb.input_logprob_specs, mwb.top_logprobs_nums, strict=True):
+            if spec is None:
+                values.append(None)
+                tops.append(None)
+                continue
+            first_row, targets = spec
+            rows = torch.log_softmax(logits[first_row : first_row + len(targets)].float(), dim=-1)
+            ids = torch.tensor(targets, dtype=torch.int64, device=rows.device)
+            values.append(get_token_logprobs(rows, ids).tolist())
+            if k:
+                vals, idx = get_top_logprobs(rows, [k] * len(targets))
+                tops.append([list(zip(v, i, strict=True)) for v, i in zip(vals, idx, strict=True)])
+            else:
+                tops.append(None)
+        result.input_token_logprobs = values
+        result.input_top_logprobs = tops

