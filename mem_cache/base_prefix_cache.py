@@ -1,0 +1,75 @@
+"""Abstract prefix cache: the interface the scheduler programs against.
+
+Two implementations: `RadixCache` (prefix sharing, the default) and `ChunkCache` (no
+sharing, `--disable-radix-cache`). See `radix_cache.py` for the ownership rules between the
+tree, the allocator and running requests.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(slots=True)
+class MatchResult:
+    device_indices: torch.Tensor  # int64 KV slots of the matched prefix
+    last_node: Any  # the deepest matched tree node (lock it to keep the prefix)
+
+    @property
+    def prefix_len(self) -> int:
+        return len(self.device_indices)
+
+
+class BasePrefixCache(ABC):
+    page_size: int
+    disable: bool
+
+    @abstractmethod
+    def match_prefix(self, key: list[int], extra_key: str | None = None) -> MatchResult: ...
+
+    @abstractmethod
+    def insert(self, key: list[int], value: torch.Tensor, extra_key: str | None = None) -> int:
+        """Insert; return the length of the prefix that was already present."""
+
+    @abstractmethod
+    def cache_finished_req(self, req: Any) -> None: ...
+
+    @abstractmethod
+    def cache_unfinished_req(self, req: Any) -> None: ...
+
+    @abstractmethod
+    def evict(self, num_tokens: int) -> int:
+        """Evict at least `num_tokens` if possible; return tokens freed."""
+
+    @abstractmethod
+    def inc_lock_ref(self, node: Any) -> int: ...
+
+    @abstractmethod
+    def dec_lock_ref(self, node: Any) -> int: ...
+
+    @abstractmethod
+    def evictable_size(self) -> int: ...
+
+    @abstractmethod
+    def protected_size(self) -> int: ...
+
+    @abstractmethod
+    def total_size(self) -> int: ...
+
+    @abstractmethod
+    def reset(self) -> None: ...
+
+    def pretty_print(self) -> str:
+        return f"<{type(self).__name__}>"
+
+    def all_nodes_slots(self) -> torch.Tensor:
+        """Every KV slot the cache owns (for the integrity check)."""
+        return torch.empty((0,), dtype=torch.int64)
+
+    def recompute_sizes(self) -> tuple[int, int]:
+        """(evictable, protected) recomputed from scratch; the integrity check compares."""
+        return self.evictable_size(), self.protected_size()

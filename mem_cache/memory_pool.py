@@ -1,0 +1,117 @@
+"""Memory pools: request rows and per-layer KV storage.
+
+Ownership:
+- `ReqToTokenPool` hands out rows of `req_to_token` (one per running request). The scheduler
+  allocates a row when a request is admitted; the prefix cache frees it in
+  `cache_finished_req`. A row's entries are KV slot indices of that request's token positions;
+  which of those slots the request owns (versus the radix tree) is tracked by the request's
+  `cache_protected_len`, not here.
+- `MHATokenToKVPool` only stores K/V. It never decides who owns a slot: the
+  `TokenToKVPoolAllocator` (allocator.py) owns the free list. Page 0 (slots
+  0..page_size-1) is a dummy that padded writes may target and that is never allocated.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class ReqToTokenPool:
+    """`int32[size, max_context_len]` map from (request row, token position) to KV slot."""
+
+    def __init__(self, size: int, max_context_len: int, device: str | torch.device = "cpu"):
+        self.size = size
+        self.max_context_len = max_context_len
+        self.device = device
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)
+        self._free_rows: list[int] = list(range(size))
+
+    def available_size(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self, n: int = 1) -> list[int] | None:
+        """Take `n` rows, or None (taking nothing) when fewer are free."""
+        if n > len(self._free_rows):
+            return None
+        rows = self._free_rows[:n]
+        self._free_rows = self._free_rows[n:]
+        return rows
+
+    def free(self, idx: int | list[int]) -> None:
+        if isinstance(idx, int):
+            self._free_rows.append(idx)
+        else:
+            self._free_rows.extend(idx)
+
+    def clear(self) -> None:
+        self._free_rows = list(range(self.size))
+
+
+class MHATokenToKVPool:
+    """Per layer one K and one V buffer of `[size + page_size, head_num, head_dim]`."""
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        head_num: int,
+        head_dim: int,
+        layer_num: int,
+        device: str | torch.device = "cpu",
+    ):
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.size = size // page_size * page_size
+        self.page_size = page_size
+        self.dtype = dtype
+        self.head_num = head_num
+        self.head_dim = head_dim
+        self.layer_num = layer_num
+        self.device = device
+        rows = self.size + page_size  # + the dummy page 0
+        shape = (rows, head_num, head_dim)
+        self.k_buffer: list[torch.Tensor] = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(layer_num)
+        ]
+        self.v_buffer: list[torch.Tensor] = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(layer_num)
+        ]
+        logger.info(
+            "KV pool: %d token slots, page_size=%d, %d layers, %.2f MiB",
+            self.size,
+            page_size,
+            layer_num,
+            self.get_kv_size_bytes() / (1 << 20),
+        )
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.k_buffer[layer_id]
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.v_buffer[layer_id]
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_buffer[layer_id], self.v_buffer[layer_id]
+
+    def set_kv_buffer(
+        self,
+        layer_id: int,
+        loc: torch.Tensor,
+        cache_k: torch.Tensor,
+        cache_v: torch.Tensor,
+    ) -> None:
+        """Write `cache_k/cache_v` (`[T, head_num, head_dim]`) at slots `loc` (`[T]`)."""
+        if cache_k.dtype != self.dtype:
+            cache_k = cache_k.to(self.dtype)
+        if cache_v.dtype != self.dtype:
+            cache_v = cache_v.to(self.dtype)
+        self.k_buffer[layer_id][loc] = cache_k
+        self.v_buffer[layer_id][loc] = cache_v
+
+    def get_kv_size_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k_buffer, *self.v_buffer))

@@ -1,0 +1,345 @@
+"""Radix tree from token-id sequences to KV slot indices.
+
+Ownership and lifecycle:
+- The allocator owns free slots. A slot (page, when page_size > 1) moves into the tree when
+  `insert` stores it in a new node, and back to the allocator only through `evict`.
+- A running request owns the slots of its positions >= `req.cache_protected_len`; positions
+  below are tree slots it keeps alive by holding a lock on `req.last_node`.
+- `cache_unfinished_req` (chunk boundary) inserts the request's page-aligned KV, frees the
+  slots the tree already had (duplicates), re-matches, re-locks and points the request's
+  `req_to_token` row at the tree's slots. `cache_finished_req` does the insert + duplicate
+  free, frees the unaligned tail, unlocks and releases the row.
+- Locks (`inc_lock_ref` / `dec_lock_ref`) walk to the root; a node with lock_ref 0 counts in
+  `evictable_size`, one above 0 in `protected_size`. Only leaves with lock_ref 0 are evicted.
+
+Keys are page-aligned: with page_size > 1 children are keyed by their first page (a tuple)
+and matches stop on page boundaries. Requests with different `extra_key` live in disjoint
+subtrees: the root's children are keyed by `(extra_key, first)` when extra_key is not None.
+With both pools None the tree is pool-less (simulation): eviction just drops nodes.
+Access times come from a per-tree counter, not the wall clock, so tests are deterministic.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mem_cache.base_prefix_cache import BasePrefixCache, MatchResult
+from mem_cache.chunk_cache import keep_req_unshared, release_req_unshared, req_allocated_len
+from mem_cache.evict_policy import get_eviction_strategy
+
+if TYPE_CHECKING:
+    from mem_cache.allocator import TokenToKVPoolAllocator
+    from mem_cache.memory_pool import ReqToTokenPool
+
+logger = logging.getLogger(__name__)
+
+_EMPTY = torch.empty((0,), dtype=torch.int64)
+_node_ids = itertools.count()
+
+
+@dataclass(slots=True, eq=False, repr=False)
+class TreeNode:
+    key: list[int] = field(default_factory=list)
+    value: torch.Tensor = field(default_factory=lambda: _EMPTY)
+    parent: TreeNode | None = None
+    children: dict[Any, TreeNode] = field(default_factory=dict)
+    lock_ref: int = 0
+    last_access_time: int = 0
+    hit_count: int = 0
+    extra_key: str | None = None
+    id: int = field(default_factory=lambda: next(_node_ids))
+
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def __repr__(self) -> str:
+        return f"TreeNode(#{self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
+
+
+class RadixCache(BasePrefixCache):
+    def __init__(
+        self,
+        req_to_token_pool: ReqToTokenPool | None,
+        token_to_kv_pool_allocator: TokenToKVPoolAllocator | None,
+        page_size: int = 1,
+        eviction_policy: str = "lru",
+        disable: bool = False,
+    ):
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+        self.page_size = page_size
+        self.disable = disable
+        self.eviction_strategy = get_eviction_strategy(eviction_policy)
+        self._clock = 0
+        self.reset()
+
+    # -- sizes / lifecycle ----------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Drop every node (slots are not freed: clear the allocator alongside)."""
+        self.root = TreeNode(lock_ref=1)
+        self._evictable_size = 0
+        self._protected_size = 0
+
+    @property
+    def root_node(self) -> TreeNode:
+        return self.root
+
+    def evictable_size(self) -> int:
+        return self._evictable_size
+
+    def protected_size(self) -> int:
+        return self._protected_size
+
+    def total_size(self) -> int:
+        return self._evictable_size + self._protected_size
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    # -- key helpers ------------------------------------------------------------------------
+
+    def _child_key(self, parent: TreeNode, key: list[int], extra_key: str | None) -> Any:
+        first: Any = key[0] if self.page_size == 1 else tuple(key[: self.page_size])
+        if parent is self.root and extra_key is not None:
+            return (extra_key, first)
+        return first
+
+    def _match_len(self, a: list[int], b: list[int]) -> int:
+        """Common prefix length of a and b, rounded down to a page boundary."""
+        n = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            n += 1
+        return n - n % self.page_size
+
+    def _aligned(self, n: int) -> int:
+        return n - n % self.page_size
+
+    # -- match / insert ---------------------------------------------------------------------
+
+    def match_prefix(self, key: list[int], extra_key: str | None = None) -> MatchResult:
+        if self.disable or not key:
+            return MatchResult(_EMPTY.clone(), self.root)
+        key = key[: self._aligned(len(key))]
+        now = self._tick()
+        node = self.root
+        values: list[torch.Tensor] = []
+        while key:
+            child = node.children.get(self._child_key(node, key, extra_key))
+            if child is None:
+                break
+            child.last_access_time = now
+            child.hit_count += 1
+            n = self._match_len(child.key, key)
+            if n < len(child.key):
+                node = self._split(child, n)
+                values.append(node.value)
+                break
+            values.append(child.value)
+            node = child
+            key = key[n:]
+        indices = torch.cat(values) if values else _EMPTY.clone()
+        return MatchResult(indices, node)
+
+    def insert(self, key: list[int], value: torch.Tensor, extra_key: str | None = None) -> int:
+        if self.disable:
+            return 0
+        aligned = self._aligned(len(key))
+        key, value = key[:aligned], value[:aligned].to(torch.int64)
+        now = self._tick()
+        node = self.root
+        present = 0
+        while key:
+            child = node.children.get(self._child_key(node, key, extra_key))
+            if child is None:
+                break
+            child.last_access_time = now
+            n = self._match_len(child.key, key)
+            present += n
+            key, value = key[n:], value[n:]
+            node = self._split(child, n) if n < len(child.key) else child
+        if key:
+            new = TreeNode(
+                key=list(key),
+                value=value.clone(),
+                parent=node,
+                last_access_time=now,
+                extra_key=extra_key,
+            )
+            node.children[self._child_key(node, key, extra_key)] = new
+            self._evictable_size += len(key)
+        return present
+
+    def _split(self, child: TreeNode, n: int) -> TreeNode:
+        """Cut `child` after its first n tokens; return the new upper node."""
+        parent = child.parent
+        assert parent is not None and 0 < n < len(child.key)
+        upper = TreeNode(
+            key=child.key[:n],
+            value=child.value[:n].clone(),
+            parent=parent,
+            lock_ref=child.lock_ref,
+            last_access_time=child.last_access_time,
+            hit_count=child.hit_count,
+            extra_key=child.extra_key,
+        )
+        parent.children[self._child_key(parent, child.key, child.extra_key)] = upper
+        child.key = child.key[n:]
+        child.value = child.value[n:].clone()
+        child.parent = upper
+        upper.children[self._child_key(upper, child.key, child.extra_key)] = child
+        return upper
+
+    # -- locks --------------------------------------------------------------------------------
+
+    def inc_lock_ref(self, node: TreeNode | None) -> int:
+        """Lock node..root; return the change in evictable_size (<= 0)."""
+        delta = 0
+        while node is not None and node is not self.root:
+            if node.lock_ref == 0:
+                self._evictable_size -= len(node.key)
+                self._protected_size += len(node.key)
+                delta -= len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+        return delta
+
+    def dec_lock_ref(self, node: TreeNode | None) -> int:
+        """Unlock node..root; return the change in evictable_size (>= 0)."""
+        delta = 0
+        while node is not None and node is not self.root:
+            if node.lock_ref <= 0:
+                raise RuntimeError(f"dec_lock_ref on unlocked node {node.id}")
+            if node.lock_ref == 1:
+                self._evictable_size += len(node.key)
+                self._protected_size -= len(node.key)
+                delta += len(node.key)
+            node.lock_ref -= 1
+            node = node.parent
+        return delta
+
+    # -- eviction -----------------------------------------------------------------------------
+
+    def _iter_nodes(self) -> list[TreeNode]:
+        out: list[TreeNode] = []
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    def evict(self, num_tokens: int) -> int:
+        if self.disable or num_tokens <= 0:
+            return 0
+        prio = self.eviction_strategy.priority
+        heap = [
+            (prio(n), n.id, n)
+            for n in self._iter_nodes()
+            if n.is_leaf() and n.lock_ref == 0 and n is not self.root
+        ]
+        heapq.heapify(heap)
+        freed = 0
+        released: list[torch.Tensor] = []
+        while heap and freed < num_tokens:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            assert parent is not None
+            del parent.children[self._child_key(parent, node.key, node.extra_key)]
+            released.append(node.value)
+            freed += len(node.key)
+            self._evictable_size -= len(node.key)
+            if parent is not self.root and parent.is_leaf() and parent.lock_ref == 0:
+                heapq.heappush(heap, (prio(parent), parent.id, parent))
+        if released and self.token_to_kv_pool_allocator is not None:
+            self.token_to_kv_pool_allocator.free(torch.cat(released))
+        return freed
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def cache_finished_req(self, req: Any) -> None:
+        assert self.req_to_token_pool is not None and self.token_to_kv_pool_allocator is not None
+        if self.disable:
+            release_req_unshared(req, self.req_to_token_pool, self.token_to_kv_pool_allocator)
+            return
+        allocator = self.token_to_kv_pool_allocator
+        tokens = req.kv_token_ids()
+        n = req_allocated_len(req, len(tokens))
+        kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, :n].to(torch.int64)
+        aligned = self._aligned(len(tokens))
+        present = self.insert(tokens[:aligned], kv[:aligned], req.extra_key)
+        allocator.free(kv[req.cache_protected_len : present])
+        allocator.free(kv[aligned:])
+        self.dec_lock_ref(req.last_node)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+        req.last_node = None
+        req.prefix_indices = _EMPTY.clone()
+        req.cache_protected_len = 0
+
+    def cache_unfinished_req(self, req: Any) -> None:
+        assert self.req_to_token_pool is not None and self.token_to_kv_pool_allocator is not None
+        if self.disable:
+            keep_req_unshared(req, self.req_to_token_pool)
+            return
+        row = req.req_pool_idx
+        tokens = req.kv_token_ids()
+        n = len(tokens)
+        kv = self.req_to_token_pool.req_to_token[row, :n].to(torch.int64)
+        aligned = self._aligned(n)
+        present = self.insert(tokens[:aligned], kv[:aligned], req.extra_key)
+        self.token_to_kv_pool_allocator.free(kv[req.cache_protected_len : present])
+        match = self.match_prefix(tokens[:aligned], req.extra_key)
+        assert match.prefix_len == aligned, (match.prefix_len, aligned)
+        self.req_to_token_pool.req_to_token[row, :aligned] = match.device_indices.to(torch.int32)
+        self.inc_lock_ref(match.last_node)
+        self.dec_lock_ref(req.last_node)
+        req.prefix_indices = torch.cat((match.device_indices, kv[aligned:n]))
+        req.last_node = match.last_node
+        req.cache_protected_len = aligned
+
+    # -- introspection ------------------------------------------------------------------------
+
+    def all_nodes_slots(self) -> torch.Tensor:
+        values = [n.value for n in self._iter_nodes() if n is not self.root]
+        return torch.cat(values) if values else _EMPTY.clone()
+
+    def recompute_sizes(self) -> tuple[int, int]:
+        evictable = protected = 0
+        for node in self._iter_nodes():
+            if node is self.root:
+                continue
+            if node.lock_ref > 0:
+                protected += len(node.key)
+            else:
+                evictable += len(node.key)
+        return evictable, protected
+
+    def pretty_print(self) -> str:
+        lines: list[str] = []
+        stack: list[tuple[TreeNode, int]] = [(self.root, 0)]
+        while stack:
+            node, depth = stack.pop()
+            if node is not self.root:
+                ns = f" ns={node.extra_key!r}" if node.extra_key is not None else ""
+                lines.append(
+                    f"{'  ' * depth}#{node.id} len={len(node.key)} key={node.key[:8]}"
+                    f"{'...' if len(node.key) > 8 else ''} lock={node.lock_ref}{ns}"
+                )
+            stack.extend((c, depth + 1) for c in node.children.values())
+        lines.append(
+            f"total={self.total_size()} evictable={self._evictable_size} "
+            f"protected={self._protected_size}"
+        )
+        text = "\n".join(lines)
+        print(text)
+        return text
