@@ -1,0 +1,87 @@
+"""Resolve ``--dtype`` (auto | float32 | bfloat16 | float16) to a torch dtype.
+
+``auto`` rules, from ``bench/bench_dtype.py`` on a 2-core AMD EPYC with avx512_bf16
+(SmolLM2-135M linear shapes, torch 2.13): bf16 is 3.4-4.5x faster than fp32 for 64-512
+token prefills, slightly faster for single-token decode (1.1-1.3x), and fp16 GEMMs run
+2.6-4.7x slower than fp32 for 64-512 tokens (no native fp16 path). Hence:
+
+- CUDA: the config's dtype when it is fp16/bf16; a float32 (or missing) config -> bfloat16
+  (float16 on GPUs without bf16).
+- CPU with native bf16 (``amx_bf16`` or ``avx512_bf16``): bfloat16.
+- Other CPUs: float32 (no native bf16 path there; not measured on such a CPU yet).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+_NAMED: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+_FAST_BF16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
+
+
+def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU feature flags from /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+@functools.cache
+def cpu_has_fast_bf16() -> bool:
+    """True where the CPU has native bf16 matmul instructions (AMX or AVX512-BF16)."""
+    flags = cpu_flags()
+    if flags:
+        return bool(flags & _FAST_BF16_FLAGS)
+    # No /proc/cpuinfo (e.g. macOS): fall back to what torch's dispatcher reports.
+    return torch.backends.cpu.get_cpu_capability() == "AVX512_BF16"
+
+
+def to_torch_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
+    """Normalise a config's ``dtype`` / ``torch_dtype`` value (str or torch.dtype)."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    name = str(value).removeprefix("torch.").lower()
+    return _NAMED.get(name)
+
+
+def resolve_dtype(dtype: str, config_dtype: torch.dtype | None, device: str) -> torch.dtype:
+    """The dtype to run in. See the module docstring for the ``auto`` rules."""
+    name = dtype.lower()
+    is_cuda = torch.device(device).type == "cuda"
+    if name != "auto":
+        if name not in _NAMED:
+            raise ValueError(f"Unknown dtype {dtype!r}; choose one of {DTYPE_CHOICES}")
+        resolved = _NAMED[name]
+        if not is_cuda and resolved == torch.float16:
+            logger.warning("float16 on CPU is much slower than float32 and bfloat16")
+        return resolved
+    if is_cuda:
+        if config_dtype == torch.float16:
+            return torch.float16
+        bf16_ok = not torch.cuda.is_available() or torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if bf16_ok else torch.float16
+    if cpu_has_fast_bf16():
+        return torch.bfloat16
+    return torch.float32
