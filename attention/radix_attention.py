@@ -1,0 +1,56 @@
+"""The attention layer models use; the math lives in the batch's attention backend."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from srt.model_executor.forward_batch import ForwardBatch
+
+
+class RadixAttention(nn.Module):
+    """Attention over the paged KV pool for one layer.
+
+    Holds only the layer's shape and identity; `forward_batch.attn_backend` writes the new
+    tokens' K/V into the pool at `out_cache_loc` and computes attention over the cached
+    prefix plus the new tokens.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        scaling: float,
+        num_kv_heads: int,
+        layer_id: int,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of {num_kv_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scaling = scaling
+        self.layer_id = layer_id
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        """q [T, H*D], k/v [T, Hkv*D] -> [T, H*D]."""
+        backend = forward_batch.attn_backend
+        assert backend is not None, "forward_batch.attn_backend is not set"
+        return backend.forward(q, k, v, self, forward_batch, save_kv_cache)
+
+    def extra_repr(self) -> str:
+        return (
+            f"layer_id={self.layer_id}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, scaling={self.scaling:.4g}"
+        )

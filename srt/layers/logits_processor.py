@@ -1,0 +1,43 @@
+"""Final hidden states -> float32 logits, only at the rows that need them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from srt.layers.vocab_embedding import LMHead
+    from srt.model_executor.forward_batch import ForwardBatch
+
+
+def last_token_indices(forward_batch: ForwardBatch) -> torch.Tensor:
+    """Index of each request's last new token among the batch's T new tokens."""
+    extend_seq_lens = forward_batch.extend_seq_lens
+    assert extend_seq_lens is not None, "extend batches need extend_seq_lens"
+    return torch.cumsum(extend_seq_lens, dim=0) - 1
+
+
+class LogitsProcessor(nn.Module):
+    """hidden [T, hidden] -> float32 logits [N, vocab], computed only at the N selected rows.
+
+    Rows: `forward_batch.logits_indices` when set; otherwise every row for decode and the
+    last new token of each request for extend / mixed.
+    """
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def forward(
+        self, hidden_states: torch.Tensor, lm_head: LMHead, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        indices = forward_batch.logits_indices
+        if indices is None and not forward_batch.forward_mode.is_decode():
+            indices = last_token_indices(forward_batch)
+        if indices is not None:
+            hidden_states = hidden_states.index_select(0, indices)
+        logits = F.linear(hidden_states, lm_head.weight, lm_head.bias)
+        return logits.float()

@@ -1,0 +1,236 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral-style), shared by Qwen2 and Qwen3.
+
+The decoder layer is parametrised by `LlamaForCausalLM`'s class hooks (`qk_norm`,
+`attention_biases`), so Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm before RoPE)
+are small subclasses. Single device; attention goes through `RadixAttention`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from attention.radix_attention import RadixAttention
+from srt.layers.activation import SiluAndMul
+from srt.layers.layernorm import RMSNorm
+from srt.layers.linear import MergedColumnLinear, QKVLinear, RowLinear
+from srt.layers.logits_processor import LogitsProcessor
+from srt.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_settings_from_config
+from srt.layers.vocab_embedding import LMHead, VocabEmbedding
+from srt.layers.weight_utils import get_weight_loader
+
+if TYPE_CHECKING:
+    from srt.model_executor.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+# (merged parameter, HF checkpoint name part, shard id)
+STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
+    (".qkv_proj.", ".q_proj.", "q"),
+    (".qkv_proj.", ".k_proj.", "k"),
+    (".qkv_proj.", ".v_proj.", "v"),
+    (".gate_up_proj.", ".gate_proj.", 0),
+    (".gate_up_proj.", ".up_proj.", 1),
+)
+SKIPPED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def config_head_dim(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaMLP(nn.Module):
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False
+    ) -> None:
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {hidden_act!r}; only silu is supported")
+        self.gate_up_proj = MergedColumnLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.down_proj = RowLinear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        layer_id: int,
+        rotary_emb: RotaryEmbedding,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = config_head_dim(config)
+        self.qkv_proj = QKVLinear(
+            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=qkv_bias
+        )
+        self.o_proj = RowLinear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary_emb = rotary_emb
+        self.attn = RadixAttention(
+            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id
+        )
+
+    def _norm_heads(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        return norm(x.view(x.shape[0], -1, self.head_dim)).view(x.shape)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self._norm_heads(q, self.q_norm)
+            k = self._norm_heads(k, self.k_norm)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, forward_batch))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        layer_id: int,
+        rotary_emb: RotaryEmbedding,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, rotary_emb, qkv_bias, o_bias, qk_norm)
+        self.mlp = LlamaMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            config.hidden_act,
+            bias=bool(getattr(config, "mlp_bias", False)),
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        forward_batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (mlp output, residual); the next layer's norm fuses the residual add."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, forward_batch)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        head_dim = config_head_dim(config)
+        base, rope_scaling, partial_rotary_factor = rope_settings_from_config(config)
+        # One cos/sin cache shared by every layer.
+        self.rotary_emb = get_rope(
+            head_dim,
+            int(head_dim * partial_rotary_factor),
+            config.max_position_embeddings,
+            base,
+            rope_scaling,
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, self.rotary_emb, qkv_bias, o_bias, qk_norm)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual, forward_batch)
+        if residual is None:
+            return self.norm(hidden_states)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    """`forward(input_ids [T], positions [T], forward_batch) -> float32 logits [N, vocab]`.
+
+    The caller runs `forward_batch.attn_backend.init_forward_metadata(forward_batch)` first.
+    """
+
+    qk_norm: ClassVar[bool] = False
+
+    @classmethod
+    def attention_biases(cls, config: PretrainedConfig) -> tuple[bool, bool]:
+        """(q/k/v projection bias, o_proj bias)."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        qkv_bias, o_bias = self.attention_biases(config)
+        self.model = LlamaModel(config, qkv_bias, o_bias, self.qk_norm)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        hidden_states = self.model(input_ids, positions, forward_batch)
+        return self.logits_processor(hidden_states, self.lm_head, forward_batch)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors; q/k/v and gate/up go into their merged parameters."""
+        params = dict(self.named_parameters())
+        loaded: dict[str, set[str | int | None]] = {}
+        for name, tensor in weights:
+            if name.endswith(SKIPPED_WEIGHT_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # shared with the embedding, which the checkpoint also holds
+            shard_id: str | int | None = None
+            for merged, part, shard in STACKED_PARAMS:
+                if part in name:
+                    name, shard_id = name.replace(part, merged), shard
+                    break
+            param = params.get(name)
+            if param is None:
+                logger.warning("skipping checkpoint tensor %s: no such parameter", name)
+                continue
+            loader = get_weight_loader(param)
+            if shard_id is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard_id)
+            loaded.setdefault(name, set()).add(shard_id)
+        missing = [name for name in params if name not in loaded]
+        for name, shards in loaded.items():
+            if None not in shards:  # loaded shard by shard: every shard must be there
+                needed = {s for merged, _, s in STACKED_PARAMS if merged in name}
+                missing += [f"{name}[{s}]" for s in sorted(needed - shards, key=str)]
+        if missing:
+            raise ValueError(f"checkpoint is missing parameters: {missing}")

@@ -1,0 +1,31 @@
+"""HF `architectures` names -> model classes, imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+# architecture name -> (module, class)
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("srt.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("srt.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("srt.models.qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("srt.models.qwen3", "Qwen3ForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(architectures: list[str]) -> type[nn.Module]:
+    """The class for the first supported name in a config's `architectures` list."""
+    for arch in architectures or []:
+        if arch in _MODELS:
+            module_name, class_name = _MODELS[arch]
+            return getattr(importlib.import_module(module_name), class_name)
+    raise ValueError(
+        f"unsupported model architectures {architectures!r}; "
+        f"supported: {', '.join(supported_architectures())}"
+    )

@@ -1,0 +1,199 @@
+"""Our Llama / Qwen2 / Qwen3 vs the HF implementations (the oracle) on tiny random configs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from transformers.models.llama.modeling_llama import (
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+from srt.layers.layernorm import RMSNorm
+from srt.layers.rotary_embedding import get_rope, rope_settings_from_config
+from srt.model_executor.forward_batch import ForwardMode
+from srt.models.llama import LlamaForCausalLM
+from srt.models.registry import get_model_class
+from tests.srt.forward_helpers import ForwardBatchBuilder
+
+TINY: dict[str, Any] = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-6,
+}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+CONFIGS: dict[str, PretrainedConfig] = {
+    "llama": LlamaConfig(**TINY),
+    "llama3_rope": LlamaConfig(**TINY, rope_parameters=LLAMA3_ROPE),
+    "llama_linear_tied": LlamaConfig(
+        **TINY,
+        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0},
+        tie_word_embeddings=True,
+    ),
+    "llama_dynamic": LlamaConfig(
+        **TINY, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    ),
+    "qwen2": Qwen2Config(**TINY),
+    "qwen3_tied": Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True),
+}
+ARCH = {
+    LlamaConfig: "LlamaForCausalLM",
+    Qwen2Config: "Qwen2ForCausalLM",
+    Qwen3Config: "Qwen3ForCausalLM",
+}
+
+
+def build_pair(config: PretrainedConfig, dtype: torch.dtype = torch.float32):
+    """(hf_model, our_model) with the same random weights, larger than HF's 0.02 init."""
+    config._attn_implementation = "eager"
+    arch = ARCH[type(config)]
+    torch.manual_seed(0)
+    hf = getattr(transformers, arch)(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.08)
+    hf = hf.to(dtype)
+    ours = get_model_class([arch])(config).to(dtype)
+    ours.load_weights(hf.state_dict().items())
+    return hf, ours
+
+
+def hf_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def builder_for(config: PretrainedConfig, dtype: torch.dtype = torch.float32):
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return ForwardBatchBuilder(
+        config.num_hidden_layers, config.num_key_value_heads, head_dim, dtype=dtype
+    )
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_extend_all_logits_ragged_batch(name: str):
+    config = CONFIGS[name]
+    hf, ours = build_pair(config)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (7, 1, 13)]
+    builder = builder_for(config)
+    num_tokens = sum(map(len, prompts))
+    batch = builder.build(list(enumerate(prompts)), logits_indices=torch.arange(num_tokens))
+    with torch.no_grad():
+        logits = ours(batch.input_ids, batch.positions, batch)
+    assert logits.dtype == torch.float32 and logits.shape == (num_tokens, 256)
+    expected = torch.cat([hf_logits(hf, p) for p in prompts])
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_prefill_chunk_then_decode_matches_full_forward(name: str):
+    config = CONFIGS[name]
+    hf, ours = build_pair(config)
+    gen = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 9, 3)]
+    builder = builder_for(config)
+
+    def run(new: list[tuple[int, list[int]]], mode: ForwardMode | None = None) -> None:
+        batch = builder.build(new, mode=mode)
+        with torch.no_grad():
+            logits = ours(batch.input_ids, batch.positions, batch)  # last token of each
+        assert logits.shape == (len(new), 256)
+        for row, (rid, ids) in enumerate(new):
+            expected = hf_logits(hf, seqs[rid][: builder.seq_lens[rid]])[-1]
+            torch.testing.assert_close(logits[row], expected, atol=1e-5, rtol=1e-5)
+
+    # request 1 is prefilled in two chunks; the second chunk extends a cached prefix
+    run([(0, seqs[0]), (1, seqs[1][:4]), (2, seqs[2])])
+    run([(1, seqs[1][4:])])
+    for step in range(4):
+        for rid in range(3):
+            seqs[rid].append((7 * step + 31 * rid) % 256)
+        run([(rid, [seqs[rid][-1]]) for rid in range(3)])
+    seqs[0] += [3, 4, 5]
+    seqs[2].append(77)
+    run([(0, [3, 4, 5]), (2, [77])], mode=ForwardMode.MIXED)
+
+
+def test_bf16_model_close_to_hf_bf16():
+    hf, ours = build_pair(CONFIGS["qwen3_tied"], torch.bfloat16)
+    builder = builder_for(CONFIGS["qwen3_tied"], torch.bfloat16)
+    prompt = list(range(10, 30))
+    batch = builder.build([(0, prompt)], logits_indices=torch.arange(len(prompt)))
+    with torch.no_grad():
+        logits = ours(batch.input_ids, batch.positions, batch)
+    expected = hf_logits(hf, prompt)
+    assert (logits - expected).abs().max() < 0.1 * expected.abs().max()
+
+
+def test_rms_norm_matches_hf_bitwise():
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    residual = torch.randn(5, 64).to(torch.bfloat16)
+    ours, theirs = RMSNorm(64, 1e-5), LlamaRMSNorm(64, 1e-5)
+    with torch.no_grad():
+        ours.weight.normal_()
+        theirs.weight.copy_(ours.weight)
+        ours, theirs = ours.to(torch.bfloat16), theirs.to(torch.bfloat16)
+        assert torch.equal(ours(x), theirs(x))
+        normed, summed = ours(x, residual)
+        assert torch.equal(summed, x + residual) and torch.equal(normed, theirs(x + residual))
+
+
+@pytest.mark.parametrize("name", ["llama", "llama3_rope", "llama_linear_tied"])
+def test_rope_matches_hf(name: str):
+    config = CONFIGS[name]
+    base, scaling, _ = rope_settings_from_config(config)
+    rope = get_rope(16, 16, config.max_position_embeddings, base, scaling).to(torch.bfloat16)
+    assert rope.cos_sin_cache.dtype == torch.float32  # model.to(bf16) keeps the cache
+    positions = torch.tensor([0, 1, 5, 31, 64, 127])
+    q, k = torch.randn(6, 4, 16), torch.randn(6, 2, 16)
+    cos, sin = LlamaRotaryEmbedding(config)(q, positions[None])
+    q_ref, k_ref = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    q_out, k_out = rope(positions, q.reshape(6, -1), k.reshape(6, -1))
+    assert torch.equal(q_out.view(6, 4, 16), q_ref[0].transpose(0, 1))
+    assert torch.equal(k_out.view(6, 2, 16), k_ref[0].transpose(0, 1))
+
+
+def test_dynamic_rope_matches_hf_incremental_generation():
+    config = CONFIGS["llama_dynamic"]
+    base, scaling, _ = rope_settings_from_config(config)
+    rope = get_rope(16, 16, config.max_position_embeddings, base, scaling)
+    assert rope.max_position == 256
+    q, k = torch.randn(1, 4, 16), torch.randn(1, 2, 16)
+    for p in (3, 127, 128, 200, 255):
+        # HF generating token p with a KV cache sees a sequence of length p + 1
+        cos, sin = LlamaRotaryEmbedding(config)(q, torch.tensor([[p]]))
+        q_ref, _ = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+        q_out, _ = rope(torch.tensor([p]), q.reshape(1, -1), k.reshape(1, -1))
+        torch.testing.assert_close(q_out.view(1, 4, 16), q_ref[0].transpose(0, 1))
+
+
+def test_load_weights_reports_missing_and_registry_errors():
+    config = CONFIGS["llama"]
+    model = LlamaForCausalLM(config)
+    weights = [(n, t) for n, t in build_pair(config)[0].state_dict().items() if "k_proj" not in n]
+    with pytest.raises(ValueError, match=r"qkv_proj.weight\[k\]"):
+        model.load_weights(weights)
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
+        get_model_class(["GPT2LMHeadModel"])
+    assert get_model_class(["MistralForCausalLM"]) is LlamaForCausalLM
