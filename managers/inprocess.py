@@ -60,7 +60,7 @@ class InProcessDriver:
             from managers.tp_worker import ModelWorker
 
             worker = ModelWorker(server_args)
-        if tokenizer is None and hasattr(worker, "model_config"):
+        if tokenizer is None and not server_args.skip_tokenizer_init:
             path = getattr(worker.model_config, "model_path", None)
             if path is not None:
                 from srt.model_loader.loader import get_tokenizer

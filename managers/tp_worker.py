@@ -25,6 +25,7 @@ class ModelWorker:
             dtype=server_args.dtype,
             context_length=server_args.context_length,
             cache_dir=server_args.cache_dir,
+            device=server_args.resolved_device(),
         )
         self.model_runner = ModelRunner(self.model_config, server_args)
         self.device = self.model_runner.device

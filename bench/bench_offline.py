@@ -1,0 +1,142 @@
+"""Offline throughput, workload W1, through the in-process scheduler (no server).
+
+W1: 64 prompts of random token ids (seed 0), lengths uniform in [64, 512], 128 new tokens
+each, ignore_eos, greedy. Prints output tokens per second. `--hf` runs the same prompts
+through HF transformers `generate` (batches of 16, left padding) for reference.
+
+    python -m bench.bench_offline --dtype bfloat16
+    python -m bench.bench_offline --dtype float32 --hf
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import time
+
+import torch
+
+from managers.inprocess import InProcessDriver
+from srt.server_args import ServerArgs
+
+
+def w1_prompts(
+    num: int, min_len: int, max_len: int, vocab_size: int, seed: int = 0
+) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(vocab_size) for _ in range(rng.randint(min_len, max_len))]
+        for _ in range(num)
+    ]
+
+
+def run_radixrt(args: argparse.Namespace) -> dict:
+    server_args = ServerArgs(
+        model_path=args.model_path,
+        dtype=args.dtype,
+        load_format=args.load_format,
+        max_total_tokens=args.max_total_tokens,
+        chunked_prefill_size=args.chunked_prefill_size,
+        max_prefill_tokens=args.max_prefill_tokens,
+        disable_radix_cache=args.disable_radix_cache,
+    )
+    driver = InProcessDriver(server_args)
+    vocab = driver.scheduler.vocab_size
+    prompts = w1_prompts(args.num_prompts, args.min_len, args.max_len, vocab, args.seed)
+    params = {"max_new_tokens": args.output_len, "ignore_eos": True, "temperature": 0}
+    driver.generate([[1, 2, 3]], {"max_new_tokens": 4})  # warm up kernels
+    driver.scheduler.flush_cache()
+    tic = time.perf_counter()
+    outs = driver.generate(prompts, params)
+    elapsed = time.perf_counter() - tic
+    n_out = sum(len(o["output_ids"]) for o in outs)
+    n_in = sum(len(p) for p in prompts)
+    return {
+        "engine": "radixrt",
+        "dtype": str(driver.worker.model_config.dtype).removeprefix("torch."),
+        "num_prompts": len(prompts),
+        "input_tokens": n_in,
+        "output_tokens": n_out,
+        "seconds": round(elapsed, 2),
+        "output_tok_per_s": round(n_out / elapsed, 1),
+        "total_tok_per_s": round((n_in + n_out) / elapsed, 1),
+    }
+
+
+def run_hf(args: argparse.Namespace) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from srt.configs.model_config import ModelConfig
+
+    cfg = ModelConfig.from_path(args.model_path, dtype=args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=cfg.dtype).eval()
+    prompts = w1_prompts(args.num_prompts, args.min_len, args.max_len, cfg.vocab_size, args.seed)
+    pad = 0
+    tic = time.perf_counter()
+    n_out = 0
+    with torch.inference_mode():
+        for i in range(0, len(prompts), args.hf_batch_size):
+            chunk = prompts[i : i + args.hf_batch_size]
+            width = max(len(p) for p in chunk)
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=args.output_len,
+                min_new_tokens=args.output_len,
+                do_sample=False,
+                pad_token_id=pad,
+            )
+            n_out += (out.shape[1] - width) * len(chunk)
+    elapsed = time.perf_counter() - tic
+    return {
+        "engine": "hf-transformers",
+        "dtype": str(cfg.dtype).removeprefix("torch."),
+        "num_prompts": len(prompts),
+        "output_tokens": n_out,
+        "seconds": round(elapsed, 2),
+        "output_tok_per_s": round(n_out / elapsed, 1),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model-path", default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--min-len", type=int, default=64)
+    p.add_argument("--max-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-total-tokens", type=int, default=None)
+    p.add_argument("--chunked-prefill-size", type=int, default=8192)
+    p.add_argument("--max-prefill-tokens", type=int, default=16384)
+    p.add_argument("--disable-radix-cache", action="store_true")
+    p.add_argument("--hf", action="store_true", help="also run HF transformers generate")
+    p.add_argument("--hf-only", action="store_true")
+    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--profile", action="store_true", help="print a torch profiler table")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    results = []
+    if not args.hf_only:
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                results.append(run_radixrt(args))
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        else:
+            results.append(run_radixrt(args))
+    if args.hf or args.hf_only:
+        results.append(run_hf(args))
+    for r in results:
+        print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()

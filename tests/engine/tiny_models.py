@@ -1,0 +1,55 @@
+"""Tiny random HF models of each supported architecture, saved to a folder for our loader."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 512
+
+
+def tiny_config(arch: str):  # noqa: ANN201 - a transformers PretrainedConfig
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        # Wide weights give well-separated logits, so greedy ties are rare.
+        initializer_range=0.3,
+        eos_token_id=VOCAB - 1,
+        bos_token_id=1,
+        dtype="float32",
+    )
+    if arch == "llama":
+        return LlamaConfig(
+            **common,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256,
+            },
+            tie_word_embeddings=True,
+        )
+    if arch == "qwen2":
+        return Qwen2Config(**common, tie_word_embeddings=False)
+    if arch == "qwen3":
+        return Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)
+    raise ValueError(arch)
+
+
+def save_tiny_model(arch: str, folder: Path, seed: int = 0) -> Path:
+    """Build a random HF model of `arch` and save it as an HF folder (no tokenizer)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
+    model.save_pretrained(folder)
+    return folder
