@@ -1,0 +1,114 @@
+"""Per-request sampling parameters, with SGLang's native field names and defaults.
+
+Lifecycle: the HTTP layer builds a `SamplingParams` with `from_dict` (unknown keys are
+ignored, since request bodies carry extra fields), the tokenizer manager calls `normalize()`
+and then `verify(vocab_size)`, and the object travels to the scheduler inside the tokenized
+request. The scheduler never mutates it; `SamplingBatchInfo` turns a batch of them into
+tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+# Below this temperature a request is greedy (argmax), exactly as if top_k were 1.
+SAMPLING_EPS = 1e-6
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int | None = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    seed: int | None = None
+    # Structured output (carried for the grammar backend; at most one may be set).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    # Computed by normalize(): longest stop string, in characters (tokenizer-free bound on
+    # how much text the detokenizer must hold back before it can stream).
+    stop_str_max_len: int = field(default=0, repr=False)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
+        """Build from a request body, ignoring keys that are not sampling fields."""
+        names = {f.name for f in dataclasses.fields(cls) if f.name != "stop_str_max_len"}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+    def normalize(self) -> None:
+        """Canonicalise in place: `stop` becomes a list, greedy becomes top_k = 1."""
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_str_max_len = max((len(s) for s in self.stop), default=0)
+        if self.stop_token_ids is not None:
+            self.stop_token_ids = list(self.stop_token_ids)
+        if self.temperature < SAMPLING_EPS:
+            # Greedy: keep temperature as sent (>= 0) but make the intent explicit.
+            self.top_k = 1
+
+    def verify(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the first invalid field."""
+        if self.temperature < 0.0:
+            _bad("temperature", f"must be non-negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            _bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            _bad("top_k", f"must be -1 (disabled) or at least 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            _bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            _bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            _bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            _bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 0:
+            _bad("max_new_tokens", f"must be non-negative, got {self.max_new_tokens}")
+        if self.min_new_tokens < 0:
+            _bad("min_new_tokens", f"must be non-negative, got {self.min_new_tokens}")
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
+            _bad(
+                "min_new_tokens",
+                f"must be <= max_new_tokens ({self.max_new_tokens}), got {self.min_new_tokens}",
+            )
+        if self.n < 1:
+            _bad("n", f"must be at least 1, got {self.n}")
+        if self.stop_token_ids is not None and vocab_size is not None:
+            bad_ids = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+            if bad_ids:
+                _bad("stop_token_ids", f"{bad_ids} out of vocabulary [0, {vocab_size})")
+        grammars = [
+            name for name in ("json_schema", "regex", "ebnf") if getattr(self, name) is not None
+        ]
+        if len(grammars) > 1:
+            _bad(grammars[1], f"only one of json_schema, regex, ebnf may be set, got {grammars}")
+
+
+def _bad(name: str, why: str) -> None:
+    raise ValueError(f"invalid sampling parameter {name}: {why}")
