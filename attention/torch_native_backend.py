@@ -9,8 +9,9 @@ Runs on CPU and GPU and is what every other backend is tested against.
   the softmax in float32), return the output in the query dtype.
 
 Extend loops over requests (each has its own prefix and extend length; the mask is
-bottom-right aligned causal). Decode is one batched SDPA over a padded `[B, max_len]`
-gather with padding pointing at slot 0 and masked out; slot 0 must hold finite values.
+bottom-right aligned causal). Decode sorts requests by length into a few buckets and runs
+one SDPA per bucket over a padded `[b, max_len]` gather, padding pointing at slot 0 and
+masked out (slot 0 must hold finite values); there is no per-request loop.
 """
 
 from __future__ import annotations
@@ -44,14 +45,28 @@ class ExtendMetadata:
 
 
 @dataclass(slots=True)
-class DecodeMetadata:
-    kv_indices: torch.Tensor  # int64 [B * max_len], padding -> slot 0
-    mask: torch.Tensor  # bool [B, 1, 1, max_len]: True where the token exists
+class DecodeBucket:
+    """Requests of similar length, gathered and attended together."""
+
+    rows: torch.Tensor | None  # int64 [b]: their rows in the batch (None: the whole batch)
+    kv_indices: torch.Tensor  # int64 [b * max_len], padding -> slot 0
+    mask: torch.Tensor  # bool [b, 1, 1, max_len]: True where the token exists
     max_len: int
-    # Gather outputs [B * max_len, Hkv * D] allocated once per batch and reused by every
+    # Gather outputs [b * max_len, Hkv * D], allocated once per batch and reused by every
     # layer: a fresh multi-MiB allocation per layer costs more than the gather on CPU.
     k_gathered: torch.Tensor
     v_gathered: torch.Tensor
+
+
+@dataclass(slots=True)
+class DecodeMetadata:
+    buckets: list[DecodeBucket]
+
+
+# Decode requests are sorted by length and split into buckets of at least this many, so
+# padding to each bucket's longest request wastes little (W1 decode: ~2x less attention time).
+DECODE_BUCKET_MIN_REQS = 8
+DECODE_MAX_BUCKETS = 8
 
 
 def gather_slots(
@@ -96,16 +111,44 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def _plan_decode(self, forward_batch: ForwardBatch) -> DecodeMetadata:
         req_to_token = self._req_to_token(forward_batch)
-        max_len = max(forward_batch.seq_lens_cpu) if forward_batch.seq_lens_cpu else 1
-        rows = req_to_token[forward_batch.req_pool_indices, :max_len].to(torch.int64)
-        positions = torch.arange(max_len, device=rows.device)
-        valid = positions[None, :] < forward_batch.seq_lens.to(rows.device)[:, None]
-        kv_indices = torch.where(valid, rows, torch.zeros_like(rows)).reshape(-1)
         kv_pool = forward_batch.token_to_kv_pool
         assert kv_pool is not None, "forward_batch.token_to_kv_pool is required"
         k_cache, _ = kv_pool.get_kv_buffer(0)
+        seq_lens = forward_batch.seq_lens_cpu
+        batch = len(seq_lens)
+        num_buckets = max(1, min(DECODE_MAX_BUCKETS, batch // DECODE_BUCKET_MIN_REQS))
+        if num_buckets == 1:
+            bucket = self._plan_bucket(
+                req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens, None, k_cache
+            )
+            return DecodeMetadata(buckets=[bucket])
+        order = sorted(range(batch), key=seq_lens.__getitem__)
+        buckets = []
+        for b in range(num_buckets):
+            members = order[b * batch // num_buckets : (b + 1) * batch // num_buckets]
+            rows = torch.tensor(members, device=req_to_token.device)
+            pool_rows = forward_batch.req_pool_indices[rows]
+            buckets.append(
+                self._plan_bucket(req_to_token, pool_rows, forward_batch.seq_lens[rows], rows, k_cache)
+            )
+        return DecodeMetadata(buckets=buckets)
+
+    @staticmethod
+    def _plan_bucket(
+        req_to_token: torch.Tensor,
+        pool_rows: torch.Tensor,
+        lens: torch.Tensor,
+        rows: torch.Tensor | None,
+        k_cache: torch.Tensor,
+    ) -> DecodeBucket:
+        max_len = int(lens.max())
+        table = req_to_token[pool_rows, :max_len].to(torch.int64)
+        positions = torch.arange(max_len, device=table.device)
+        valid = positions[None, :] < lens.to(table.device)[:, None]
+        kv_indices = torch.where(valid, table, torch.zeros_like(table)).reshape(-1)
         gathered_shape = (kv_indices.shape[0], k_cache[0].numel())
-        return DecodeMetadata(
+        return DecodeBucket(
+            rows=rows,
             kv_indices=kv_indices,
             mask=valid[:, None, None, :],
             max_len=max_len,
@@ -198,12 +241,27 @@ class TorchNativeAttnBackend(AttentionBackend):
         kv_heads, head_dim = layer.num_kv_heads, layer.head_dim
         group = layer.num_heads // kv_heads
         # Query heads h = kv * group + g share KV head kv, so view the group as "query
-        # positions" of that KV head: no repeat of K/V, one SDPA for the whole batch.
+        # positions" of that KV head: no repeat of K/V, one SDPA per bucket.
         q_grouped = q.reshape(batch, kv_heads, group, head_dim).to(k_cache.dtype)
-        shape = (batch, meta.max_len, kv_heads, head_dim)
-        k_req = gather_slots(k_cache, meta.kv_indices, meta.k_gathered).view(shape).transpose(1, 2)
-        v_req = gather_slots(v_cache, meta.kv_indices, meta.v_gathered).view(shape).transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q_grouped, k_req, v_req, attn_mask=meta.mask, scale=layer.scaling
-        )  # [B, Hkv, group, D]
+        if len(meta.buckets) == 1:
+            o = self._decode_bucket(q_grouped, k_cache, v_cache, meta.buckets[0], layer)
+        else:
+            o = q_grouped.new_empty(q_grouped.shape)
+            for bucket in meta.buckets:
+                q_b = q_grouped.index_select(0, bucket.rows)
+                o.index_copy_(0, bucket.rows, self._decode_bucket(q_b, k_cache, v_cache, bucket, layer))
         return o.reshape(batch, layer.num_heads * head_dim).to(q.dtype)
+
+    @staticmethod
+    def _decode_bucket(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        bucket: DecodeBucket,
+        layer: RadixAttention,
+    ) -> torch.Tensor:
+        shape = (q.shape[0], bucket.max_len, layer.num_kv_heads, layer.head_dim)
+        k = gather_slots(k_cache, bucket.kv_indices, bucket.k_gathered).view(shape).transpose(1, 2)
+        v = gather_slots(v_cache, bucket.kv_indices, bucket.v_gathered).view(shape).transpose(1, 2)
+        # -> [b, Hkv, group, D]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bucket.mask, scale=layer.scaling)

@@ -167,7 +167,10 @@ class Scheduler(SchedulerOutputMixin):
         if self.waiting_queue or not self.running_batch.is_empty() or self.chunked_req:
             logger.warning("Cache not flushed: there are running or waiting requests.")
             return False
+        # Idle: every slot is free or in the tree, so the pools can be cleared wholesale.
         self.tree_cache.reset()
+        self.allocator.clear()
+        self.req_to_token_pool.clear()
         self.new_token_ratio = self.init_new_token_ratio
         logger.info("Cache flushed.")
         return True

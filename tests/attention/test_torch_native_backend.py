@@ -97,10 +97,27 @@ def test_decode_plan_is_padded_gather():
     batch = h.builder.build([(0, [0]), (1, [0])])
     meta = batch.attn_metadata
     assert isinstance(meta, DecodeMetadata)
-    assert meta.max_len == 6 and meta.kv_indices.shape == (2 * 6,)
-    assert meta.mask.shape == (2, 1, 1, 6)
-    assert meta.mask[0, 0, 0].tolist() == [True] * 3 + [False] * 3
-    assert meta.kv_indices.view(2, 6)[0, 3:].tolist() == [0, 0, 0]  # padding -> dummy slot
+    (bucket,) = meta.buckets
+    assert bucket.rows is None  # one bucket: the batch in its own order
+    assert bucket.max_len == 6 and bucket.kv_indices.shape == (2 * 6,)
+    assert bucket.mask.shape == (2, 1, 1, 6)
+    assert bucket.mask[0, 0, 0].tolist() == [True] * 3 + [False] * 3
+    assert bucket.kv_indices.view(2, 6)[0, 3:].tolist() == [0, 0, 0]  # padding -> dummy slot
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_in_length_buckets(dtype: torch.dtype):
+    """Enough requests to be split into length buckets; each row must still be exact."""
+    h = Harness(6, 2, dtype)
+    lengths = [1 + (7 * i) % 23 for i in range(16)]
+    h.step(list(enumerate(lengths)))
+    for _ in range(3):
+        assert h.step([(i, 1) for i in range(16)]) < TOL[dtype]
+    buckets = h.builder.build([(i, [0]) for i in range(16)]).attn_metadata.buckets
+    assert len(buckets) == 2
+    assert sorted(r for b in buckets for r in b.rows.tolist()) == list(range(16))
+    short, long = (max(lengths[r] for r in b.rows.tolist()) for b in buckets)
+    assert short <= min(lengths[r] for r in buckets[1].rows.tolist()) <= long
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -200,3 +200,16 @@ def test_disable_radix_cache() -> None:
         assert o["output_ids"] == scripted_output(p, 10)
         assert o["meta_info"]["cached_tokens"] == 0
     assert driver.scheduler.allocator.available_size() == 4096
+
+
+def test_flush_cache_returns_every_slot() -> None:
+    driver = make_driver()
+    p = prompts(1, 50, 50)[0]
+    driver.generate([p], {"max_new_tokens": 8})
+    assert driver.scheduler.tree_cache.evictable_size() > 0
+    assert driver.scheduler.flush_cache()
+    assert driver.scheduler.tree_cache.evictable_size() == 0
+    assert driver.scheduler.allocator.available_size() == 4096
+    again = driver.generate([p], {"max_new_tokens": 8})[0]
+    assert again["meta_info"]["cached_tokens"] == 0
+    assert_idle_and_clean(driver)
