@@ -197,7 +197,7 @@ class ScheduleBatch:
                 lo = max(p, req.logprob_start_len - 1)
                 hi = min(s, prompt_len - 1)
                 first = min(lo, s - 1)
-                targets = req.fill_ids[lo + 1 : hi + 1] if hi > lo else []
+                targets = req.origin_input_ids[lo + 1 : hi + 1] if hi > lo else []
                 spec = (len(logits_rows) + (lo - first), targets)
             specs.append(spec)
             base = token_offset - p

@@ -7,8 +7,11 @@ token prefills, slightly faster for single-token decode (1.1-1.3x), and fp16 GEM
 
 - CUDA: the config's dtype when it is fp16/bf16; a float32 (or missing) config -> bfloat16
   (float16 on GPUs without bf16).
-- CPU with native bf16 (``amx_bf16`` or ``avx512_bf16``): bfloat16.
-- Other CPUs: float32 (no native bf16 path there; not measured on such a CPU yet).
+- CPU: the config's dtype where the CPU runs it fast, i.e. a bfloat16 config on a CPU with
+  native bf16 (``amx_bf16`` or ``avx512_bf16``); everything else -> float32 (fp16 has no
+  fast CPU path; bf16 without native support is emulated; not measured on such a CPU yet).
+  A GGUF model is dequantized to a float32 folder, so it runs float32 unless
+  ``--dtype bfloat16`` is given.
 """
 
 from __future__ import annotations
@@ -82,6 +85,6 @@ def resolve_dtype(dtype: str, config_dtype: torch.dtype | None, device: str) -> 
             return torch.float16
         bf16_ok = not torch.cuda.is_available() or torch.cuda.is_bf16_supported()
         return torch.bfloat16 if bf16_ok else torch.float16
-    if cpu_has_fast_bf16():
+    if config_dtype == torch.bfloat16 and cpu_has_fast_bf16():
         return torch.bfloat16
     return torch.float32

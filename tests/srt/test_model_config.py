@@ -52,7 +52,8 @@ def test_auto_on_cpu(
     monkeypatch: pytest.MonkeyPatch, fast: bool, config_dtype: torch.dtype | None
 ) -> None:
     monkeypatch.setattr(dtype_mod, "cpu_has_fast_bf16", lambda: fast)
-    expected = torch.bfloat16 if fast else torch.float32
+    # The config's dtype where the CPU runs it fast (bf16 with native support), else fp32.
+    expected = torch.bfloat16 if fast and config_dtype == torch.bfloat16 else torch.float32
     assert resolve_dtype("auto", config_dtype, "cpu") == expected
 
 
