@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
 from attention.base import AttentionBackend
+from attention.torch_native_decode import DecodePlan, decode_attention, plan_decode
 
 if TYPE_CHECKING:
     from attention.radix_attention import RadixAttention
@@ -58,31 +58,6 @@ class ExtendMetadata:
     requests: list[ExtendRequestPlan]
 
 
-@dataclass(slots=True)
-class DecodeBucket:
-    """Requests of similar length, gathered and attended together."""
-
-    rows: torch.Tensor | None  # int64 [b]: their rows in the batch (None: the whole batch)
-    kv_indices: torch.Tensor  # int64 [b * max_len], padding -> slot 0
-    mask: torch.Tensor  # bool [b, 1, 1, max_len]: True where the token exists
-    max_len: int
-    # Gather outputs [b * max_len, Hkv * D], allocated once per batch and reused by every
-    # layer: a fresh multi-MiB allocation per layer costs more than the gather on CPU.
-    k_gathered: torch.Tensor
-    v_gathered: torch.Tensor
-
-
-@dataclass(slots=True)
-class DecodeMetadata:
-    buckets: list[DecodeBucket]
-
-
-# Decode requests are sorted by length and split into buckets of at least this many, so
-# padding to each bucket's longest request wastes little (W1 decode: ~2x less attention time).
-DECODE_BUCKET_MIN_REQS = 8
-DECODE_MAX_BUCKETS = 8
-
-
 def gather_slots(
     buffer: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -103,16 +78,26 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def __init__(self, **_unused: Any) -> None:
         # Every backend is built with the same keyword set by the model runner; this one
-        # derives everything it needs from each ForwardBatch.
-        pass
+        # derives everything it needs from each ForwardBatch. The last decode plan is kept
+        # so the next decode step of the same batch can reuse its staged K/V.
+        self._decode_plan: DecodePlan | None = None
 
     # ---- plan -------------------------------------------------------------------------
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         mode = forward_batch.forward_mode
         if mode.is_decode():
-            forward_batch.attn_metadata = self._plan_decode(forward_batch)
-        elif mode.is_extend():
+            pool = forward_batch.token_to_kv_pool
+            assert pool is not None, "forward_batch.token_to_kv_pool is required"
+            k_cache = pool.get_key_buffer(0)
+            # Staged K is float32, staged V in the pool dtype.
+            bytes_per_token = len(pool.k_buffer) * k_cache[0].numel() * (4 + k_cache.element_size())
+            self._decode_plan = plan_decode(forward_batch, self._decode_plan, bytes_per_token)
+            forward_batch.attn_metadata = self._decode_plan
+            return
+        # Any other forward may reuse rows or change lengths: stop reusing staged K/V.
+        self._decode_plan = None
+        if mode.is_extend():
             forward_batch.attn_metadata = self._plan_extend(forward_batch)
         else:
             forward_batch.attn_metadata = None
@@ -122,53 +107,6 @@ class TorchNativeAttnBackend(AttentionBackend):
         pool = forward_batch.req_to_token_pool
         assert pool is not None, "forward_batch.req_to_token_pool is required"
         return pool.req_to_token
-
-    def _plan_decode(self, forward_batch: ForwardBatch) -> DecodeMetadata:
-        req_to_token = self._req_to_token(forward_batch)
-        kv_pool = forward_batch.token_to_kv_pool
-        assert kv_pool is not None, "forward_batch.token_to_kv_pool is required"
-        k_cache, _ = kv_pool.get_kv_buffer(0)
-        seq_lens = forward_batch.seq_lens_cpu
-        batch = len(seq_lens)
-        num_buckets = max(1, min(DECODE_MAX_BUCKETS, batch // DECODE_BUCKET_MIN_REQS))
-        if num_buckets == 1:
-            bucket = self._plan_bucket(
-                req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens, None, k_cache
-            )
-            return DecodeMetadata(buckets=[bucket])
-        order = sorted(range(batch), key=seq_lens.__getitem__)
-        buckets = []
-        for b in range(num_buckets):
-            members = order[b * batch // num_buckets : (b + 1) * batch // num_buckets]
-            rows = torch.tensor(members, device=req_to_token.device)
-            pool_rows = forward_batch.req_pool_indices[rows]
-            buckets.append(
-                self._plan_bucket(req_to_token, pool_rows, forward_batch.seq_lens[rows], rows, k_cache)
-            )
-        return DecodeMetadata(buckets=buckets)
-
-    @staticmethod
-    def _plan_bucket(
-        req_to_token: torch.Tensor,
-        pool_rows: torch.Tensor,
-        lens: torch.Tensor,
-        rows: torch.Tensor | None,
-        k_cache: torch.Tensor,
-    ) -> DecodeBucket:
-        max_len = int(lens.max())
-        table = req_to_token[pool_rows, :max_len].to(torch.int64)
-        positions = torch.arange(max_len, device=table.device)
-        valid = positions[None, :] < lens.to(table.device)[:, None]
-        kv_indices = torch.where(valid, table, torch.zeros_like(table)).reshape(-1)
-        gathered_shape = (kv_indices.shape[0], k_cache[0].numel())
-        return DecodeBucket(
-            rows=rows,
-            kv_indices=kv_indices,
-            mask=valid[:, None, None, :],
-            max_len=max_len,
-            k_gathered=k_cache.new_empty(gathered_shape),
-            v_gathered=k_cache.new_empty(gathered_shape),
-        )
 
     def _plan_extend(self, forward_batch: ForwardBatch) -> ExtendMetadata:
         req_to_token = self._req_to_token(forward_batch)
@@ -244,36 +182,18 @@ class TorchNativeAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         if save_kv_cache:
             self.save_kv(layer, forward_batch, k, v)
-        meta: DecodeMetadata = forward_batch.attn_metadata
         k_cache, v_cache = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        batch = q.shape[0]
-        kv_heads, head_dim = layer.num_kv_heads, layer.head_dim
-        group = layer.num_heads // kv_heads
-        # Query heads h = kv * group + g share KV head kv, so view the group as "query
-        # positions" of that KV head: no repeat of K/V, one SDPA per bucket.
-        q_grouped = q.reshape(batch, kv_heads, group, head_dim).to(k_cache.dtype)
-        if len(meta.buckets) == 1:
-            o = self._decode_bucket(q_grouped, k_cache, v_cache, meta.buckets[0], layer)
-        else:
-            o = q_grouped.new_empty(q_grouped.shape)
-            for bucket in meta.buckets:
-                q_b = q_grouped.index_select(0, bucket.rows)
-                o.index_copy_(0, bucket.rows, self._decode_bucket(q_b, k_cache, v_cache, bucket, layer))
-        return o.reshape(batch, layer.num_heads * head_dim).to(q.dtype)
-
-    @staticmethod
-    def _decode_bucket(
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        bucket: DecodeBucket,
-        layer: RadixAttention,
-    ) -> torch.Tensor:
-        shape = (q.shape[0], bucket.max_len, layer.num_kv_heads, layer.head_dim)
-        k = gather_slots(k_cache, bucket.kv_indices, bucket.k_gathered).view(shape).transpose(1, 2)
-        v = gather_slots(v_cache, bucket.kv_indices, bucket.v_gathered).view(shape).transpose(1, 2)
-        # -> [b, Hkv, group, D]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bucket.mask, scale=layer.scaling)
+        out = decode_attention(
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            self._req_to_token(forward_batch),
+            layer,
+            forward_batch.attn_metadata,
+        )
+        return out.to(q.dtype)
 
 
 def _query_block(prefix_len: int, q0: int, q1: int, device: torch.device) -> QueryBlock:
@@ -297,12 +217,13 @@ def _grouped_attention(
 ) -> torch.Tensor:
     """Attention of a GQA query group against its shared KV head, as two batched matmuls.
 
-    The query heads of one KV head are stacked as extra rows, so K/V are never repeated. On
-    CPU this beats SDPA's kernel ~4x for prefill in bf16; softmax runs in float32.
+    The query heads of one KV head are stacked as extra rows, so K/V are never repeated.
+    Scores and softmax are float32; probabilities meet V in its dtype.
     """
     kv_heads, group, n, head_dim = q.shape
-    rows = q.reshape(kv_heads, group * n, head_dim)
-    scores = torch.bmm(rows, k.transpose(1, 2)).float().mul_(scale)
+    # Scores in float32 (a bf16 bmm would round them to bf16 before the softmax).
+    rows = q.reshape(kv_heads, group * n, head_dim).float()
+    scores = torch.bmm(rows, k.float().transpose(1, 2)).mul_(scale)
     if bias is not None:
         scores = scores.view(kv_heads, group, n, -1).add_(bias).view(kv_heads, group * n, -1)
     probs = torch.softmax(scores, dim=-1).to(v.dtype)

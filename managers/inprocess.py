@@ -115,7 +115,12 @@ class InProcessDriver:
         rid = rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         msgs = make_requests(rid, list(input_ids), params, input_text=text, **fields)
         for msg in msgs:
-            self.outputs[msg.rid] = {"meta_info": {"id": msg.rid}, "output_ids": [], "_t0": time.perf_counter(), "_params": msg.sampling_params}
+            self.outputs[msg.rid] = {
+                "meta_info": {"id": msg.rid},
+                "output_ids": [],
+                "_t0": time.perf_counter(),
+                "_params": msg.sampling_params,
+            }
             self.scheduler.handle(msg)
         return [m.rid for m in msgs if m.sampling_params.max_new_tokens != 0 or params.n == 1]
 

@@ -150,7 +150,9 @@ class ScheduleBatch:
         """Slots the next decode step allocates (whole pages when page_size > 1)."""
         if self.page_size == 1:
             return len(self.reqs)
-        return self.page_size * sum(1 for r in self.reqs if r.kv_allocated_len % self.page_size == 0)
+        return self.page_size * sum(
+            1 for r in self.reqs if r.kv_allocated_len % self.page_size == 0
+        )
 
     def mix_with_running(self, running: ScheduleBatch) -> None:
         """Append the running decodes to this prefill as extends of length one (MIXED)."""

@@ -51,9 +51,7 @@ class SchedulePolicy:
             return
         self._match_and_find_held_back(waiting_queue)
         if policy == "lpm":
-            waiting_queue.sort(
-                key=lambda r: (r.rid in self.held_back, -len(r.prefix_indices))
-            )
+            waiting_queue.sort(key=lambda r: (r.rid in self.held_back, -len(r.prefix_indices)))
         else:
             waiting_queue[:] = self._dfs_weight_order(waiting_queue)
 
@@ -160,11 +158,12 @@ class PrefillAdder:
         reserve = 0.0 if alone else self._decode_reserve(req)
         if extend + reserve > self.rem_total_tokens:
             return AddResult.NO_TOKEN
-        if self.can_run_list and min(extend, self.rem_chunk_tokens or extend) > self.rem_input_tokens:
+        chunk = self.rem_chunk_tokens
+        this_round = (
+            extend if chunk is None else min(extend, chunk // self.page_size * self.page_size)
+        )
+        if this_round <= 0 or (self.can_run_list and this_round > self.rem_input_tokens):
             return AddResult.OTHER
-        if self.rem_chunk_tokens is not None and extend > self.rem_chunk_tokens:
-            if self.rem_chunk_tokens // self.page_size * self.page_size <= 0:
-                return AddResult.OTHER
         return None
 
     def _take(self, req: Req, extend_len: int) -> None:
@@ -180,7 +179,9 @@ class PrefillAdder:
     def add_chunked_req(self, req: Req) -> None:
         """Continue a chunked prompt; its prefix is already locked."""
         remaining = req.seq_len() - len(req.prefix_indices)
-        chunk = remaining if self.rem_chunk_tokens is None else min(remaining, self.rem_chunk_tokens)
+        chunk = (
+            remaining if self.rem_chunk_tokens is None else min(remaining, self.rem_chunk_tokens)
+        )
         req.set_chunk(chunk)
         self._take(req, chunk)
         if req.is_chunked:

@@ -39,7 +39,9 @@ class SchedulerOutputMixin:
         self.decode_tic = time.perf_counter()
         self.decode_tokens_since_log = 0
 
-    def process_batch_result(self: Any, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
+    def process_batch_result(
+        self: Any, batch: ScheduleBatch, result: GenerationBatchResult
+    ) -> None:
         emit: list[Req] = []
         extend = batch.forward_mode.is_extend()
         for i, req in enumerate(batch.reqs):
@@ -139,7 +141,11 @@ class SchedulerOutputMixin:
 
     # ---- logging -------------------------------------------------------------------
     def token_usage(self: Any) -> float:
-        used = self.max_total_tokens - self.allocator.available_size() - self.tree_cache.evictable_size()
+        used = (
+            self.max_total_tokens
+            - self.allocator.available_size()
+            - self.tree_cache.evictable_size()
+        )
         return used / self.max_total_tokens
 
     def log_prefill_stats(self: Any, adder: PrefillAdder, batch: ScheduleBatch) -> None:

@@ -30,7 +30,7 @@ class ModelWorker:
         self.model_runner = ModelRunner(self.model_config, server_args)
         self.device = self.model_runner.device
 
-    def get_memory_pool(self):  # noqa: ANN201 - (ReqToTokenPool, TokenToKVPoolAllocator)
+    def get_memory_pool(self):
         return self.model_runner.req_to_token_pool, self.model_runner.allocator
 
     def to_forward_batch(self, mwb: ModelWorkerBatch) -> ForwardBatch:

@@ -49,7 +49,9 @@ class ServerArgs:
     enable_mixed_chunk: bool = _opt(False, "run decodes together with a prefill chunk")
     disable_overlap_schedule: bool = _opt(False, "use the normal (non-overlap) event loop")
     # Backends
-    attention_backend: str = _opt("auto", "attention kernels", ["auto", "torch_native", "flashinfer"])
+    attention_backend: str = _opt(
+        "auto", "attention kernels", ["auto", "torch_native", "flashinfer"]
+    )
     # Logging
     log_level: str = _opt("info", "logging level", ["debug", "info", "warning", "error"])
 
@@ -77,7 +79,11 @@ class ServerArgs:
         for f in dataclasses.fields(ServerArgs):
             flag = "--" + f.name.replace("_", "-")
             base = _base_type(hints[f.name])
-            kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": f.metadata["help"]}
+            kwargs: dict[str, Any] = {
+                "dest": f.name,
+                "default": f.default,
+                "help": f.metadata["help"],
+            }
             if base is bool:
                 parser.add_argument(flag, action="store_true", **kwargs)
                 continue

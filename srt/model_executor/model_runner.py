@@ -30,8 +30,11 @@ DEFAULT_MAX_RUNNING_REQUESTS = 512
 
 def kv_bytes_per_token(model_config: ModelConfig, dtype: torch.dtype) -> int:
     elem = torch.empty(0, dtype=dtype).element_size()
-    return 2 * model_config.num_hidden_layers * model_config.num_key_value_heads * (
-        model_config.head_dim * elem
+    return (
+        2
+        * model_config.num_hidden_layers
+        * model_config.num_key_value_heads
+        * (model_config.head_dim * elem)
     )
 
 
@@ -55,7 +58,9 @@ def pool_size_tokens(
     else:
         fraction = server_args.mem_fraction_static
         if fraction is None:
-            fraction = GPU_DEFAULT_MEM_FRACTION if device.startswith("cuda") else CPU_DEFAULT_MEM_FRACTION
+            fraction = (
+                GPU_DEFAULT_MEM_FRACTION if device.startswith("cuda") else CPU_DEFAULT_MEM_FRACTION
+            )
         size = int(free_bytes * fraction) // kv_bytes_per_token(model_config, model_config.dtype)
     size = size // server_args.page_size * server_args.page_size
     if size < server_args.page_size * 2:

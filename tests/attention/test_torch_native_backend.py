@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from attention import RadixAttention, create_attention_backend
-from attention.torch_native_backend import DecodeMetadata, TorchNativeAttnBackend
+import attention.torch_native_decode as decode_mod
+from attention.torch_native_backend import TorchNativeAttnBackend
+from attention.torch_native_decode import DecodePlan
 from srt.model_executor.forward_batch import ForwardMode
 from tests.srt.forward_helpers import ForwardBatchBuilder
 
@@ -91,23 +93,24 @@ def test_decode_batch(dtype: torch.dtype, num_heads: int, num_kv_heads: int):
     assert h.step([(3, 1), (1, 1)]) < TOL[dtype]  # a sub-batch, rows out of order
 
 
-def test_decode_plan_is_padded_gather():
+def test_decode_plan_single_bucket():
     h = Harness(4, 2, torch.float32)
     h.step([(0, 2), (1, 5)])
-    batch = h.builder.build([(0, [0]), (1, [0])])
-    meta = batch.attn_metadata
-    assert isinstance(meta, DecodeMetadata)
-    (bucket,) = meta.buckets
+    plan = h.builder.build([(0, [0]), (1, [0])]).attn_metadata
+    assert isinstance(plan, DecodePlan) and plan.staged
+    (bucket,) = plan.buckets
     assert bucket.rows is None  # one bucket: the batch in its own order
-    assert bucket.max_len == 6 and bucket.kv_indices.shape == (2 * 6,)
-    assert bucket.mask.shape == (2, 1, 1, 6)
-    assert bucket.mask[0, 0, 0].tolist() == [True] * 3 + [False] * 3
-    assert bucket.kv_indices.view(2, 6)[0, 3:].tolist() == [0, 0, 0]  # padding -> dummy slot
+    assert bucket.cap == 6 + decode_mod.STAGING_HEADROOM
+    assert bucket.bias.shape == (2, 1, 1, bucket.cap)
+    row0 = bucket.bias[0, 0, 0]
+    assert (row0[:3] == 0).all() and torch.isinf(row0[3:]).all()  # request 0 has 3 tokens
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_in_length_buckets(dtype: torch.dtype):
+def test_decode_in_length_buckets(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch):
     """Enough requests to be split into length buckets; each row must still be exact."""
+    monkeypatch.setattr(decode_mod, "DECODE_BUCKET_MIN_REQS", 8)
+    monkeypatch.setattr(decode_mod, "DECODE_MAX_BUCKETS", 2)
     h = Harness(6, 2, dtype)
     lengths = [1 + (7 * i) % 23 for i in range(16)]
     h.step(list(enumerate(lengths)))
@@ -118,6 +121,35 @@ def test_decode_in_length_buckets(dtype: torch.dtype):
     assert sorted(r for b in buckets for r in b.rows.tolist()) == list(range(16))
     short, long = (max(lengths[r] for r in b.rows.tolist()) for b in buckets)
     assert short <= min(lengths[r] for r in buckets[1].rows.tolist()) <= long
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_staged_kv_reused_then_replanned(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch):
+    """Decode steps of one batch append to the staged K/V; any change re-gathers."""
+    monkeypatch.setattr(decode_mod, "STAGING_HEADROOM", 2)
+    h = Harness(4, 2, dtype)
+    h.step([(0, 5), (1, 9), (2, 3)])
+    plans = []
+    for _ in range(5):  # outgrows the headroom of 2 once, then re-gathers with new capacity
+        assert h.step([(0, 1), (1, 1), (2, 1)]) < TOL[dtype]
+        plans.append(h.builder.backend._decode_plan)
+    # Longest request: 10 tokens at the first decode, so capacity 12 holds two more steps.
+    assert plans[2].buckets is plans[0].buckets  # continued: same staged buffers
+    assert plans[3].buckets is not plans[2].buckets  # capacity reached: fresh gather
+    assert plans[4].buckets is plans[3].buckets
+    assert h.step([(0, 1), (2, 1)]) < TOL[dtype]  # a request left: fresh plan
+    assert h.step([(0, 4), (2, 1), (3, 6)], mode=ForwardMode.MIXED) < TOL[dtype]
+    assert h.builder.backend._decode_plan is None  # an extend drops the staged K/V
+    assert h.step([(0, 1), (2, 1), (3, 1)]) < TOL[dtype]
+
+
+def test_staging_off_above_byte_budget(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(decode_mod, "STAGING_MAX_BYTES", 1)
+    h = Harness(4, 2, torch.float32)
+    h.step([(0, 5), (1, 9)])
+    for _ in range(3):
+        assert h.step([(0, 1), (1, 1)]) < TOL[torch.float32]
+        assert not h.builder.backend._decode_plan.staged
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

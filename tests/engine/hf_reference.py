@@ -7,7 +7,7 @@ import torch
 NEAR_TIE = 1e-4
 
 
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:  # noqa: ANN001
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """HF greedy tokens that never stop at EOS (the same as our ignore_eos)."""
     with torch.inference_mode():
         out = model.generate(
@@ -21,7 +21,7 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:  # no
     return out[0, len(prompt) :].tolist()
 
 
-def assert_greedy_equal(model, prompt: list[int], ours: list[int], ref: list[int]) -> None:  # noqa: ANN001
+def assert_greedy_equal(model, prompt: list[int], ours: list[int], ref: list[int]) -> None:
     """Tokens must be identical, except after a genuine float near-tie in HF's logits.
 
     At the first differing position, the gap between HF's top-2 logits must be below 1e-4;

@@ -20,12 +20,18 @@ def test_torch_native_cuda_greedy_equal_hf(arch: str, tmp_path) -> None:
 
     folder = save_tiny_model(arch, tmp_path)
     args = ServerArgs(
-        model_path=str(folder), dtype="float32", device="cuda", skip_tokenizer_init=True,
-        max_total_tokens=8192, attention_backend="torch_native",
+        model_path=str(folder),
+        dtype="float32",
+        device="cuda",
+        skip_tokenizer_init=True,
+        max_total_tokens=8192,
+        attention_backend="torch_native",
     )
     driver = InProcessDriver(args)
     prompts = mixed_prompts(8, VOCAB)
-    outs = driver.generate(prompts, {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True})
+    outs = driver.generate(
+        prompts, {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    )
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     for prompt, out in zip(prompts, outs, strict=True):
         assert_greedy_equal(hf, prompt, out["output_ids"], hf_greedy(hf, prompt, NEW_TOKENS))

@@ -37,9 +37,13 @@ def test_stop_string_is_trimmed(driver: InProcessDriver) -> None:
 
 def test_chat_template_prompt_stops_at_eos(driver: InProcessDriver) -> None:
     messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
-    text = driver.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = driver.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
     out = driver.generate([text], {"max_new_tokens": 64, "temperature": 0})[0]
     assert "Paris" in out["text"]
     reason = out["meta_info"]["finish_reason"]
-    assert reason["type"] == "stop" and reason["matched"] in driver.worker.model_config.eos_token_ids
+    assert (
+        reason["type"] == "stop" and reason["matched"] in driver.worker.model_config.eos_token_ids
+    )
     driver.scheduler.check_memory()

@@ -66,7 +66,9 @@ def test_shared_system_prompt_same_round(llama_path: str) -> None:
 
 def test_chunked_prefill_300_tokens(llama_path: str) -> None:
     ps = rand_prompts([300, 300, 300], seed=3)
-    plain = driver_for(llama_path, chunked_prefill_size=-1).generate(ps, {"max_new_tokens": 16, **GREEDY})
+    plain = driver_for(llama_path, chunked_prefill_size=-1).generate(
+        ps, {"max_new_tokens": 16, **GREEDY}
+    )
     chunked_driver = driver_for(llama_path, chunked_prefill_size=32)
     chunked = chunked_driver.generate(ps, {"max_new_tokens": 16, **GREEDY})
     assert [o["output_ids"] for o in chunked] == [o["output_ids"] for o in plain]
@@ -123,7 +125,9 @@ def test_parallel_sampling_n(llama_path: str) -> None:
     assert len(outs) == 4
     assert all(o["meta_info"]["cached_tokens"] >= len(p) - 1 for o in outs)
     assert len({tuple(o["output_ids"]) for o in outs}) > 1
-    again = driver_for(llama_path).generate([p], {"max_new_tokens": 12, "temperature": 1.0, "n": 4, "seed": 5})
+    again = driver_for(llama_path).generate(
+        [p], {"max_new_tokens": 12, "temperature": 1.0, "n": 4, "seed": 5}
+    )
     assert [o["output_ids"] for o in again] == [o["output_ids"] for o in outs]
     assert_clean(driver)
 

@@ -28,14 +28,17 @@ def mixed_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 def run_engine(model_path: str, prompts: list[list[int]], **args) -> list[list[int]]:
     server_args = ServerArgs(
-        model_path=model_path, dtype="float32", skip_tokenizer_init=True,
-        max_total_tokens=8192, **args
+        model_path=model_path,
+        dtype="float32",
+        skip_tokenizer_init=True,
+        max_total_tokens=8192,
+        **args,
     )
     driver = InProcessDriver(server_args)
     modes = []
     forward = driver.worker.forward_batch_generation
 
-    def recording_forward(mwb):  # noqa: ANN001, ANN202
+    def recording_forward(mwb):
         modes.append(mwb.forward_mode)
         return forward(mwb)
 
@@ -58,7 +61,7 @@ def tiny_model(request, tmp_path_factory) -> tuple[str, Path]:
 def test_tiny_models_greedy_equal_hf(tiny_model) -> None:
     from transformers import AutoModelForCausalLM
 
-    arch, folder = tiny_model
+    _, folder = tiny_model
     prompts = mixed_prompts(8, VOCAB)
     ours = run_engine(str(folder), prompts)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -67,7 +70,7 @@ def test_tiny_models_greedy_equal_hf(tiny_model) -> None:
 
 
 def test_tiny_model_page_size_and_chunking_keep_greedy(tiny_model) -> None:
-    arch, folder = tiny_model
+    _, folder = tiny_model
     prompts = mixed_prompts(8, VOCAB, seed=1)
     base = run_engine(str(folder), prompts)
     paged = run_engine(str(folder), prompts, page_size=4, chunked_prefill_size=32)

@@ -9,23 +9,23 @@ import torch
 VOCAB = 512
 
 
-def tiny_config(arch: str):  # noqa: ANN201 - a transformers PretrainedConfig
+def tiny_config(arch: str):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
+    common = {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
         # Wide weights give well-separated logits, so greedy ties are rare.
-        initializer_range=0.3,
-        eos_token_id=VOCAB - 1,
-        bos_token_id=1,
-        dtype="float32",
-    )
+        "initializer_range": 0.3,
+        "eos_token_id": VOCAB - 1,
+        "bos_token_id": 1,
+        "dtype": "float32",
+    }
     if arch == "llama":
         return LlamaConfig(
             **common,

@@ -164,8 +164,9 @@ def test_stop_conditions() -> None:
     out = driver.generate([p], {"max_new_tokens": 20, "stop_token_ids": [stop_tok]})[0]
     assert out["output_ids"] == full[: full.index(stop_tok) + 1]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
-    out = driver.generate([p], {"max_new_tokens": 20, "stop_token_ids": [stop_tok],
-                                "min_new_tokens": 20})[0]
+    out = driver.generate(
+        [p], {"max_new_tokens": 20, "stop_token_ids": [stop_tok], "min_new_tokens": 20}
+    )[0]
     assert len(out["output_ids"]) == 20 or stop_tok in full[: full.index(stop_tok)]
     assert_idle_and_clean(driver)
 
