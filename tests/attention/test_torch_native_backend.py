@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention import RadixAttention, create_attention_backend
 import attention.torch_native_decode as decode_mod
+from attention import RadixAttention, create_attention_backend
 from attention.torch_native_backend import TorchNativeAttnBackend
 from attention.torch_native_decode import DecodePlan
 from srt.model_executor.forward_batch import ForwardMode
