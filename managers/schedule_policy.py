@@ -156,7 +156,7 @@ class PrefillAdder:
         # outgrows the pool, it is finished with an error instead of waiting forever.
         alone = not self.can_run_list and not self.has_running
         reserve = 0.0 if alone else self._decode_reserve(req)
-        if extend + reserve > self.rem_total_tokens:
+        if extend + self._page_slack() + reserve > self.rem_total_tokens:
             return AddResult.NO_TOKEN
         chunk = self.rem_chunk_tokens
         this_round = (
@@ -166,9 +166,13 @@ class PrefillAdder:
             return AddResult.OTHER
         return None
 
+    def _page_slack(self) -> int:
+        """Slots a request may take beyond its tokens: the rest of a fresh last page."""
+        return self.page_size - 1
+
     def _take(self, req: Req, extend_len: int) -> None:
         self.can_run_list.append(req)
-        self.rem_total_tokens -= extend_len + self._decode_reserve(req)
+        self.rem_total_tokens -= extend_len + self._page_slack() + self._decode_reserve(req)
         self.rem_input_tokens -= extend_len
         if self.rem_chunk_tokens is not None:
             self.rem_chunk_tokens -= extend_len

@@ -214,3 +214,15 @@ def test_flush_cache_returns_every_slot() -> None:
     again = driver.generate([p], {"max_new_tokens": 8})[0]
     assert again["meta_info"]["cached_tokens"] == 0
     assert_idle_and_clean(driver)
+
+
+def test_paged_admission_counts_whole_pages() -> None:
+    """Five 9-token prompts fit in 64 tokens but need five 16-token pages; there are four."""
+    driver = make_driver(max_total_tokens=64, page_size=16)
+    ps = prompts(5, 9, 9, seed=100)
+    outs = driver.generate(ps, {"max_new_tokens": 2})
+    for p, o in zip(ps, outs, strict=True):
+        assert o["output_ids"] == scripted_output(p, 2)
+    first_prefill = next(c for c in driver.worker.forward_calls if c.forward_mode.is_extend())
+    assert len(first_prefill.seq_lens_cpu) <= 4
+    assert_idle_and_clean(driver)
