@@ -58,7 +58,10 @@ class ModelWorker:
     @torch.inference_mode()
     def forward_batch_generation(self, mwb: ModelWorkerBatch) -> GenerationBatchResult:
         logits = self.model_runner.forward(self.to_forward_batch(mwb))
-        sample_logits = logits[mwb.sample_indices.to(logits.device)]
+        if mwb.forward_mode.is_decode():
+            sample_logits = logits  # one logits row per request, in order: no [B, V] gather
+        else:
+            sample_logits = logits[mwb.sample_indices.to(logits.device)]
         with torch.profiler.record_function("sampling"):
             out = self.model_runner.sampler.forward(
                 sample_logits,

@@ -31,6 +31,9 @@ class RotaryEmbedding(nn.Module):
         self.is_neox_style = is_neox_style
         # A plain attribute, not a buffer: model.to(bf16) must not round the cache.
         self.cos_sin_cache = cos_sin_cache.to(torch.float32)
+        # The last lookup, keyed by the positions tensor object itself (see _cos_sin).
+        self._cached_key: tuple[torch.Tensor, int, torch.dtype] | None = None
+        self._cached_cos_sin: tuple[torch.Tensor, torch.Tensor] = (cos_sin_cache, cos_sin_cache)
 
     @property
     def max_position(self) -> int:
@@ -46,10 +49,26 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, H*D] or [T, H, D]; k likewise -> rotated (q, k), same shapes."""
-        cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
-        cos = cos.unsqueeze(1).to(q.dtype)  # [T, 1, rot/2]
-        sin = sin.unsqueeze(1).to(q.dtype)
+        cos, sin = self._cos_sin(positions, q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, rot/2] for `positions`.
+
+        Every layer of one forward shares this module and the same positions tensor, so the
+        lookup runs once per forward, not per layer. The key is the tensor object plus its
+        version counter, so a buffer updated in place (e.g. for CUDA-graph replay) misses.
+        """
+        key = (positions, positions._version, dtype)
+        cached = self._cached_key
+        if cached is not None and cached[0] is positions and cached[1:] == key[1:]:
+            return self._cached_cos_sin
+        cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
+        self._cached_key = key
+        self._cached_cos_sin = (cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype))
+        return self._cached_cos_sin
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape

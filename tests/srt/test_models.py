@@ -197,3 +197,19 @@ def test_load_weights_reports_missing_and_registry_errors():
     with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
         get_model_class(["GPT2LMHeadModel"])
     assert get_model_class(["MistralForCausalLM"]) is LlamaForCausalLM
+
+
+def test_rope_lookup_shared_across_layers_but_not_stale() -> None:
+    from srt.layers.rotary_embedding import get_rope
+
+    rope = get_rope(16, 16, 64, 10000.0, None)
+    q, k = torch.randn(3, 2 * 16), torch.randn(3, 2 * 16)
+    positions = torch.tensor([0, 5, 9])
+    first = rope(positions, q, k)
+    assert rope._cached_key[0] is positions
+    again = rope(positions, q, k)  # a second layer, same forward: cached lookup
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    positions[1] = 7  # a persistent buffer updated in place must not reuse the old values
+    fresh = get_rope(16, 16, 64, 10000.0, None)(positions.clone(), q, k)
+    updated = rope(positions, q, k)
+    assert all(torch.equal(a, b) for a, b in zip(fresh, updated, strict=True))
