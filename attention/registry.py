@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from attention.base import AttentionBackend
 
-# name -> (module, class, pip package the module needs or None)
+# name -> (module, class, pip package the module needs or None). GPU backends (flashinfer)
+# register here with the package they need, which is only imported when one is chosen.
 _BACKENDS: dict[str, tuple[str, str, str | None]] = {
     "torch_native": ("attention.torch_native_backend", "TorchNativeAttnBackend", None),
-    "flashinfer": ("attention.flashinfer_backend", "FlashInferAttnBackend", "flashinfer"),
 }
 
 
@@ -33,10 +33,5 @@ def create_attention_backend(name: str, **kwargs: Any) -> AttentionBackend:
             f"attention backend {name!r} needs the {requirement!r} package, which is not "
             f"installed (pip install 'radixrt[gpu]'); use --attention-backend torch_native"
         )
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name == module_name:
-            raise NotImplementedError(f"attention backend {name!r} is not implemented yet") from e
-        raise
+    module = importlib.import_module(module_name)
     return getattr(module, class_name)(**kwargs)

@@ -50,7 +50,9 @@ class ServerArgs:
     disable_overlap_schedule: bool = _opt(False, "use the normal (non-overlap) event loop")
     # Backends
     attention_backend: str = _opt(
-        "auto", "attention kernels", ["auto", "torch_native", "flashinfer"]
+        "auto",
+        "attention kernels (auto: torch_native until a GPU backend lands)",
+        ["auto", "torch_native"],
     )
     # Logging
     log_level: str = _opt("info", "logging level", ["debug", "info", "warning", "error"])

@@ -177,8 +177,14 @@ def test_registry():
     assert isinstance(create_attention_backend("torch_native"), TorchNativeAttnBackend)
     with pytest.raises(ValueError, match="torch_native"):
         create_attention_backend("no_such_backend")
-    try:
-        import flashinfer  # noqa: F401
-    except ImportError:
-        with pytest.raises(ImportError, match="flashinfer"):
-            create_attention_backend("flashinfer")
+
+
+def test_registry_names_missing_package(monkeypatch: pytest.MonkeyPatch):
+    """A backend whose pip package is absent fails with an install hint, before any import."""
+    from attention import registry
+
+    monkeypatch.setitem(
+        registry._BACKENDS, "needs_pkg", ("attention.nowhere", "Nothing", "no_such_pkg_xyz")
+    )
+    with pytest.raises(ImportError, match="no_such_pkg_xyz"):
+        create_attention_backend("needs_pkg")
