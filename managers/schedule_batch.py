@@ -156,23 +156,16 @@ class ScheduleBatch:
 
     def mix_with_running(self, running: ScheduleBatch) -> None:
         """Append the running decodes to this prefill as extends of length one (MIXED)."""
+        running.prepare_for_decode()
         for req in running.reqs:
             req.fill_ids = req.all_ids()
             req.extend_input_len = 1
-        p_lens = [r.kv_allocated_len for r in running.reqs]
-        loc = self.allocator.alloc_decode([p + 1 for p in p_lens], running._last_locs(p_lens))
-        if loc is None:
-            raise OutOfKVError("cannot allocate KV slots for mixed decode")
-        table = self.req_to_token_pool.req_to_token
-        for i, req in enumerate(running.reqs):
-            table[req.req_pool_idx, p_lens[i]] = int(loc[i])
-            req.kv_allocated_len = p_lens[i] + 1
-            self.input_ids.append(req.output_ids[-1])
         self.reqs = self.reqs + running.reqs
-        self.prefix_lens += p_lens
-        self.seq_lens += [p + 1 for p in p_lens]
-        self.extend_lens += [1] * len(p_lens)
-        self.out_cache_loc = torch.cat([self.out_cache_loc, loc])
+        self.input_ids += running.input_ids
+        self.prefix_lens += running.prefix_lens
+        self.seq_lens += running.seq_lens
+        self.extend_lens += running.extend_lens
+        self.out_cache_loc = torch.cat([self.out_cache_loc, running.out_cache_loc])
         self.forward_mode = ForwardMode.MIXED
 
     # ---- batch membership ----------------------------------------------------------

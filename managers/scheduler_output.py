@@ -57,19 +57,8 @@ class SchedulerOutputMixin:
                 self.tree_cache.cache_unfinished_req(req)
                 continue
             req.input_logprobs_done = True
-            if req.finished():
-                pass
-            elif req.sampling_params.max_new_tokens == 0:
-                req.finished_reason = finish_length(0)
-            else:
-                req.output_ids.append(result.next_token_ids[i])
-                if req.return_logprob and result.next_token_logprobs is not None:
-                    req.output_token_logprobs.append(
-                        (result.next_token_logprobs[i], result.next_token_ids[i])
-                    )
-                    if req.top_logprobs_num and result.next_top_logprobs is not None:
-                        req.output_top_logprobs.append(result.next_top_logprobs[i])
-                req.check_finished(self.context_len, self._tail_text)
+            if not req.finished():
+                self._append_token(req, result, i)
             if req.finished():
                 self.tree_cache.cache_finished_req(req)
                 emit.append(req)
@@ -84,6 +73,19 @@ class SchedulerOutputMixin:
             if self.forward_ct % DECODE_LOG_INTERVAL == 0:
                 self.log_decode_stats()
         self.emit(emit)
+
+    def _append_token(self: Any, req: Req, result: GenerationBatchResult, i: int) -> None:
+        """Append the sampled token (none for a prefill-only request), then check stops."""
+        if req.sampling_params.max_new_tokens == 0:
+            req.finished_reason = finish_length(0)
+            return
+        token = result.next_token_ids[i]
+        req.output_ids.append(token)
+        if req.return_logprob and result.next_token_logprobs is not None:
+            req.output_token_logprobs.append((result.next_token_logprobs[i], token))
+            if req.top_logprobs_num and result.next_top_logprobs is not None:
+                req.output_top_logprobs.append(result.next_top_logprobs[i])
+        req.check_finished(self.context_len, self._tail_text)
 
     def _apply_input_logprobs(
         self: Any, req: Req, result: GenerationBatchResult, i: int, prefix_len: int
