@@ -72,8 +72,27 @@ class SamplingParams:
             # Greedy: keep temperature as sent (>= 0) but make the intent explicit.
             self.top_k = 1
 
+    def check_types(self) -> None:
+        """Raise `InvalidSamplingParam` for a field of the wrong JSON type."""
+        for name, kinds in _FIELD_TYPES.items():
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL:
+                continue
+            # bool is an int subclass in Python but not a number in a JSON request.
+            if isinstance(value, bool) and bool not in kinds:
+                _bad(name, f"must be {_type_names(kinds)}, got {value!r}")
+            if not isinstance(value, kinds):
+                _bad(name, f"must be {_type_names(kinds)}, got {type(value).__name__}")
+        for name, item in (("stop", str), ("stop_token_ids", int)):
+            value = getattr(self, name)
+            if isinstance(value, list) and not all(
+                isinstance(v, item) and not isinstance(v, bool) for v in value
+            ):
+                _bad(name, f"must be a list of {item.__name__}")
+
     def verify(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError naming the first invalid field."""
+        """Raise `InvalidSamplingParam` (a ValueError) naming the first invalid field."""
+        self.check_types()
         if self.temperature < 0.0:
             _bad("temperature", f"must be non-negative, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -110,5 +129,43 @@ class SamplingParams:
             _bad(grammars[1], f"only one of json_schema, regex, ebnf may be set, got {grammars}")
 
 
+class InvalidSamplingParam(ValueError):
+    def __init__(self, param: str, why: str) -> None:
+        super().__init__(f"invalid sampling parameter {param}: {why}")
+        self.param = param
+
+
+_NUMBER = (int, float)
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "max_new_tokens": (int,),
+    "min_new_tokens": (int,),
+    "temperature": _NUMBER,
+    "top_p": _NUMBER,
+    "top_k": (int,),
+    "min_p": _NUMBER,
+    "frequency_penalty": _NUMBER,
+    "presence_penalty": _NUMBER,
+    "repetition_penalty": _NUMBER,
+    "stop": (str, list),
+    "stop_token_ids": (list,),
+    "ignore_eos": (bool,),
+    "skip_special_tokens": (bool,),
+    "spaces_between_special_tokens": (bool,),
+    "no_stop_trim": (bool,),
+    "n": (int,),
+    "seed": (int,),
+    "json_schema": (str,),
+    "regex": (str,),
+    "ebnf": (str,),
+}
+_OPTIONAL = {"max_new_tokens", "stop", "stop_token_ids", "seed", "json_schema", "regex", "ebnf"}
+
+
+def _type_names(kinds: tuple[type, ...]) -> str:
+    if float in kinds:
+        return "a number"
+    return " or ".join(k.__name__ for k in kinds)
+
+
 def _bad(name: str, why: str) -> None:
-    raise ValueError(f"invalid sampling parameter {name}: {why}")
+    raise InvalidSamplingParam(name, why)

@@ -1,0 +1,36 @@
+"""`RequestError`: a request the server refuses, with the HTTP status and the offending field.
+
+Raised by the tokenizer manager and the OpenAI layer; the HTTP layer turns it into
+`{"error": {"message", "type", "param", "code"}}` with `status_code`.
+"""
+
+from __future__ import annotations
+
+
+class RequestError(ValueError):
+    def __init__(self, message: str, param: str | None = None, status_code: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status_code = status_code
+
+    @property
+    def error_type(self) -> str:
+        return {
+            400: "BadRequestError",
+            401: "AuthenticationError",
+            404: "NotFoundError",
+            405: "MethodNotAllowedError",
+            413: "RequestTooLargeError",
+            503: "ServiceUnavailableError",
+        }.get(self.status_code, "InternalServerError" if self.status_code >= 500 else "Error")
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.status_code,
+            }
+        }
