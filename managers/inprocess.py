@@ -13,33 +13,11 @@ import uuid
 from dataclasses import replace
 from typing import Any
 
-from managers.io_struct import AbortReq, BatchTokenIDOut, TokenizedGenerateReqInput
+from managers.io_struct import AbortReq, BatchTokenIDOut
+from managers.parallel_sampling import make_requests
 from managers.scheduler import Scheduler
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
-
-
-def make_requests(
-    rid: str,
-    input_ids: list[int],
-    params: SamplingParams,
-    **fields: Any,
-) -> list[TokenizedGenerateReqInput]:
-    """One request, or for n > 1 a prefill-only request followed by n samples.
-
-    The prefill-only request (max_new_tokens=0) puts the prompt in the radix tree once; the n
-    samples, admitted after it, share it through the tree. Sample j gets seed `seed + j` when
-    the user gave a seed, so the n outputs differ but are reproducible.
-    """
-    if params.n == 1:
-        return [TokenizedGenerateReqInput(rid, input_ids, params, **fields)]
-    warm = replace(params, n=1, max_new_tokens=0, min_new_tokens=0)
-    reqs = [TokenizedGenerateReqInput(f"{rid}-prefill", input_ids, warm, **fields)]
-    for j in range(params.n):
-        seed = None if params.seed is None else params.seed + j
-        sample = replace(params, n=1, seed=seed)
-        reqs.append(TokenizedGenerateReqInput(f"{rid}-{j}", input_ids, sample, **fields))
-    return reqs
 
 
 def trim_stop_str(text: str, finish_reason: dict[str, Any] | None, params: SamplingParams) -> str:
@@ -76,7 +54,7 @@ class InProcessDriver:
     def _on_output(self, out: BatchTokenIDOut) -> None:
         for i, rid in enumerate(out.rids):
             state = self.outputs.setdefault(rid, {"meta_info": {"id": rid}, "output_ids": []})
-            state["output_ids"] = out.output_ids[i]
+            state["output_ids"] = state["output_ids"] + out.new_token_ids[i]
             meta = state["meta_info"]
             meta.update(
                 prompt_tokens=out.prompt_tokens[i],

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from managers.io_struct import DecodeOptions
+
 if TYPE_CHECKING:
     from mem_cache.base_prefix_cache import BasePrefixCache
     from srt.sampling.sampling_params import SamplingParams
@@ -87,6 +89,7 @@ class Req:
         self.stream = stream
         self.extra_key = extra_key
         self.output_ids: list[int] = []
+        self._decode_options: DecodeOptions | None = None
 
         # Tokens that will have KV after the next extend (prompt + output so far, or a chunk).
         self.fill_ids: list[int] = []
@@ -131,6 +134,17 @@ class Req:
 
     def finished(self) -> bool:
         return self.finished_reason is not None
+
+    def decode_options(self) -> DecodeOptions:
+        if self._decode_options is None:
+            p = self.sampling_params
+            self._decode_options = DecodeOptions(
+                p.skip_special_tokens,
+                p.spaces_between_special_tokens,
+                tuple(p.stop or ()),
+                p.no_stop_trim,
+            )
+        return self._decode_options
 
     # ---- scheduling ----------------------------------------------------------------
     def init_next_round_input(self, tree_cache: BasePrefixCache) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +29,7 @@ from managers.schedule_batch import ScheduleBatch
 from managers.schedule_policy import AddResult, PrefillAdder, SchedulePolicy
 from managers.scheduler_output import SchedulerOutputMixin
 from mem_cache.chunk_cache import ChunkCache
-from mem_cache.integrity import check_memory_integrity
+from mem_cache.integrity import MemoryLeakError, check_memory_integrity
 from mem_cache.radix_cache import RadixCache
 from srt.server_args import ServerArgs
 
@@ -86,8 +87,11 @@ class Scheduler(SchedulerOutputMixin):
         ) / NEW_TOKEN_RATIO_DECAY_STEPS
         self.seed_rng = random.Random(server_args.random_seed)
         self.num_retracted_reqs = 0
+        self.num_aborted_reqs = 0  # cumulative, reported in the server info
         self.forward_ct = 0
         self.was_idle = True
+        self.raise_on_leak = True
+        self.memory_check: dict[str, Any] = {"ok": None, "error": None, "time": None}
         self._init_output_state()
 
     def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
@@ -159,11 +163,15 @@ class Scheduler(SchedulerOutputMixin):
         for req in [r for r in self.waiting_queue if hit(r)]:
             self.waiting_queue.remove(req)
             req.finished_reason = finish_abort("Aborted by request.")
+            self.num_aborted_reqs += 1
             self.emit([req])
         running = self.running_batch.reqs + ([self.chunked_req] if self.chunked_req else [])
+        if self.last_batch is not None and self.last_batch.forward_mode.is_extend():
+            running += [r for r in self.last_batch.reqs if r not in running]
         for req in running:
-            if hit(req) and not req.finished():
+            if hit(req) and not req.finished() and req.to_abort is None:
                 req.to_abort = finish_abort("Aborted by request.")
+                self.num_aborted_reqs += 1
 
     def flush_cache(self) -> bool:
         if self.waiting_queue or not self.running_batch.is_empty() or self.chunked_req:
@@ -206,7 +214,19 @@ class Scheduler(SchedulerOutputMixin):
         raise RuntimeError(f"scheduler not idle after {max_steps} steps")
 
     def check_memory(self) -> None:
-        check_memory_integrity(self.allocator, self.tree_cache, self.running_batch.reqs)
+        """Prove no KV slot is leaked or double-owned; record the verdict for server info.
+
+        Raises `MemoryLeakError` unless `raise_on_leak` is off (the server process logs the
+        error and reports it through `/get_server_info` instead of dying)."""
+        try:
+            check_memory_integrity(self.allocator, self.tree_cache, self.running_batch.reqs)
+        except MemoryLeakError as e:
+            self.memory_check = {"ok": False, "error": str(e), "time": time.time()}
+            logger.error("Memory integrity check failed: %s", e)
+            if self.raise_on_leak:
+                raise
+        else:
+            self.memory_check = {"ok": True, "error": None, "time": time.time()}
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         last = self.last_batch

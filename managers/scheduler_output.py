@@ -19,8 +19,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DECODE_LOG_INTERVAL = 40
-
 
 @dataclass
 class GenerationBatchResult:
@@ -38,6 +36,8 @@ class SchedulerOutputMixin:
     def _init_output_state(self: Any) -> None:
         self.decode_tic = time.perf_counter()
         self.decode_tokens_since_log = 0
+        self.num_generated_tokens = 0  # cumulative, for the throughput metric
+        self.last_cache_hit_rate = 0.0
 
     def process_batch_result(
         self: Any, batch: ScheduleBatch, result: GenerationBatchResult
@@ -66,11 +66,14 @@ class SchedulerOutputMixin:
                 if extend:
                     # Put the prompt in the tree now so requests behind it can share it.
                     self.tree_cache.cache_unfinished_req(req)
-                if req.stream:
+                # Every request reports its first token (time to first token is measured
+                # for all); after that only streaming ones report per step.
+                if req.stream or extend:
                     emit.append(req)
+        self.num_generated_tokens += len(batch.reqs)
         if not extend:
             self.decode_tokens_since_log += len(batch.reqs)
-            if self.forward_ct % DECODE_LOG_INTERVAL == 0:
+            if self.forward_ct % self.server_args.decode_log_interval == 0:
                 self.log_decode_stats()
         self.emit(emit)
 
@@ -113,16 +116,16 @@ class SchedulerOutputMixin:
     def emit(self: Any, reqs: list[Req]) -> None:
         if not reqs:
             return
-        out = BatchTokenIDOut([], [], [], [], [], [], [])
+        out = BatchTokenIDOut([], [], [], [], [], [])
         for req in reqs:
             out.rids.append(req.rid)
             out.new_token_ids.append(req.output_ids[req.sent_output_len :])
-            out.output_ids.append(list(req.output_ids))
             req.sent_output_len = len(req.output_ids)
             out.finished_reasons.append(req.finished_reason.to_json() if req.finished() else None)
             out.prompt_tokens.append(len(req.origin_input_ids))
             out.completion_tokens.append(len(req.output_ids))
             out.cached_tokens.append(req.cached_tokens)
+            out.decode_options.append(req.decode_options())
             if req.return_logprob:
                 o, n_in = req.sent_output_logprob_len, req.sent_input_logprob_len
                 out.output_token_logprobs.append(req.output_token_logprobs[o:])
@@ -151,6 +154,8 @@ class SchedulerOutputMixin:
         return used / self.max_total_tokens
 
     def log_prefill_stats(self: Any, adder: PrefillAdder, batch: ScheduleBatch) -> None:
+        seen = adder.log_input_tokens + adder.log_hit_tokens
+        self.last_cache_hit_rate = adder.log_hit_tokens / seen if seen else 0.0
         logger.info(
             "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, "
             "token usage: %.2f, #running-req: %d, #queue-req: %d",
