@@ -1,0 +1,169 @@
+"""The scheduler process: receive messages over ZMQ, step the scheduler, send outputs.
+
+    tokenizer manager ──PUSH──▶ [scheduler_input]  scheduler  ──PUSH──▶ detokenizer
+                      ◀─PUSH── (stats, control replies)
+
+The loop drains every pending message before each step, so a burst of arrivals joins one
+prefill batch; when the scheduler is idle it blocks on the socket instead of spinning.
+Readiness (or the startup error) goes back to the parent through a pipe.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import zmq
+
+from managers.io_struct import (
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GetInternalStateReq,
+    GetInternalStateReqOutput,
+    SchedulerReady,
+    SchedulerStats,
+)
+from managers.scheduler import Scheduler
+from srt.server_args import ServerArgs
+from srt.utils.process import PortArgs, become_child, parent_alive, zmq_socket
+
+logger = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 0.5
+IDLE_POLL_MS = 1000
+
+
+class SchedulerServer:
+    """Owns the sockets and the loop around one `Scheduler`."""
+
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs) -> None:
+        from managers.tp_worker import ModelWorker
+        from srt.model_loader.loader import get_tokenizer
+
+        self.server_args = server_args
+        worker = ModelWorker(server_args)
+        tokenizer = None
+        if not server_args.skip_tokenizer_init:
+            tokenizer = get_tokenizer(worker.model_config.model_path, server_args.tokenizer_path)
+        ctx = zmq.Context(2)
+        self.recv_from_tokenizer = zmq_socket(
+            ctx, zmq.PULL, port_args.scheduler_input_ipc, bind=True
+        )
+        self.send_to_detokenizer = zmq_socket(ctx, zmq.PUSH, port_args.detokenizer_ipc, bind=False)
+        self.send_to_tokenizer = zmq_socket(ctx, zmq.PUSH, port_args.tokenizer_ipc, bind=False)
+        self.scheduler = Scheduler(
+            server_args, worker, self.send_to_detokenizer.send_pyobj, tokenizer
+        )
+        self.scheduler.raise_on_leak = False
+        self.last_stats_time = 0.0
+        self.last_stats_tokens = 0
+
+    def ready_message(self) -> SchedulerReady:
+        s = self.scheduler
+        return SchedulerReady(
+            model_path=s.worker.model_config.model_path,
+            context_len=s.context_len,
+            vocab_size=s.vocab_size,
+            max_total_tokens=s.max_total_tokens,
+            max_running_requests=s.max_running_requests,
+            eos_token_ids=list(s.eos_token_ids),
+        )
+
+    # ---- loop ----------------------------------------------------------------------
+    def event_loop(self, parent_pid: int) -> None:
+        while True:
+            for msg in self.recv_requests():
+                self.handle(msg)
+            ran = self.scheduler.step()
+            idle = self.scheduler.is_idle()
+            self.maybe_send_stats(force=not ran and idle)
+            if not ran:
+                if not parent_alive(parent_pid):
+                    logger.error("Parent process is gone; scheduler exits.")
+                    return
+                if not idle:
+                    time.sleep(0.001)  # requests wait for memory; do not spin
+
+    def recv_requests(self) -> list[Any]:
+        msgs: list[Any] = []
+        # Nothing to run: sleep on the socket (bounded, to notice a dead parent).
+        if self.scheduler.is_idle() and not self.recv_from_tokenizer.poll(IDLE_POLL_MS):
+            return msgs
+        while True:
+            try:
+                msgs.append(self.recv_from_tokenizer.recv_pyobj(zmq.NOBLOCK))
+            except zmq.Again:
+                return msgs
+
+    def handle(self, msg: Any) -> None:
+        if isinstance(msg, FlushCacheReq):
+            ok = self.scheduler.flush_cache()
+            text = "Cache flushed." if ok else "Cache not flushed: requests are running or waiting."
+            self.send_to_tokenizer.send_pyobj(FlushCacheReqOutput(ok, text))
+        elif isinstance(msg, GetInternalStateReq):
+            self.send_to_tokenizer.send_pyobj(GetInternalStateReqOutput(self.internal_state()))
+        else:
+            self.scheduler.handle(msg)
+
+    def internal_state(self) -> dict[str, Any]:
+        s = self.scheduler
+        if s.is_idle():
+            s.check_memory()  # cheap, and the freshest answer when the server is idle
+        return {
+            "num_running_reqs": len(s.running_batch.reqs) + (s.chunked_req is not None),
+            "num_queue_reqs": len(s.waiting_queue),
+            "token_usage": s.token_usage(),
+            "max_total_tokens": s.max_total_tokens,
+            "max_running_requests": s.max_running_requests,
+            "num_retracted_reqs": s.num_retracted_reqs,
+            "num_aborted_reqs": s.num_aborted_reqs,
+            "pid": os.getpid(),
+            "new_token_ratio": s.new_token_ratio,
+            "forward_ct": s.forward_ct,
+            "memory_integrity": dict(s.memory_check),
+        }
+
+    def maybe_send_stats(self, force: bool) -> None:
+        now = time.perf_counter()
+        elapsed = now - self.last_stats_time
+        if elapsed < STATS_INTERVAL_S and not force:
+            return
+        if (
+            force
+            and elapsed < STATS_INTERVAL_S
+            and self.last_stats_tokens == (self.scheduler.num_generated_tokens)
+        ):
+            return  # idle and nothing new since the last report
+        s = self.scheduler
+        tokens = s.num_generated_tokens - self.last_stats_tokens
+        self.last_stats_time, self.last_stats_tokens = now, s.num_generated_tokens
+        self.send_to_tokenizer.send_pyobj(
+            SchedulerStats(
+                num_running_reqs=len(s.running_batch.reqs) + (s.chunked_req is not None),
+                num_queue_reqs=len(s.waiting_queue),
+                token_usage=s.token_usage(),
+                cache_hit_rate=s.last_cache_hit_rate,
+                gen_throughput=tokens / elapsed if elapsed > 0 else 0.0,
+                num_retracted_reqs=s.num_retracted_reqs,
+                max_total_tokens=s.max_total_tokens,
+            )
+        )
+
+
+def run_scheduler_process(
+    server_args: ServerArgs, port_args: PortArgs, ready: Connection, parent_pid: int
+) -> None:
+    become_child("scheduler", server_args.log_level)
+    try:
+        server = SchedulerServer(server_args, port_args)
+    except Exception:
+        ready.send(("error", traceback.format_exc()))
+        raise
+    ready.send(("ready", server.ready_message()))
+    ready.close()
+    logger.info("Scheduler ready (pid %d).", os.getpid())
+    server.event_loop(parent_pid)

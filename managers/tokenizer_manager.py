@@ -1,0 +1,365 @@
+"""`TokenizerManager`: the main process's side of every request.
+
+Lifecycle of one `generate_request` call:
+
+    validate + tokenize ──▶ ReqState per sample (rid -> state) ──PUSH──▶ scheduler
+                                   ▲
+    handle_loop ◀──PULL── BatchStrOut (detokenizer), stats and control replies (scheduler)
+        │ appends text / ids / logprobs to the state, records metrics, and wakes the caller
+        ▼
+    caller (HTTP route or Engine) yields cumulative outputs; leaving early (client gone,
+    generator closed or cancelled) sends an AbortReq so the scheduler frees the KV.
+
+All of it runs on one asyncio loop (uvicorn's for the server, a background one for the
+offline `Engine`); the ZMQ sockets are created on that loop the first time it is used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from managers.errors import RequestError
+from managers.io_struct import (
+    AbortReq,
+    BatchStrOut,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GenerateReqInput,
+    GetInternalStateReq,
+    GetInternalStateReqOutput,
+    SchedulerReady,
+    SchedulerStats,
+)
+from managers.metrics import ServerMetrics
+from managers.parallel_sampling import make_requests, prefill_rid
+from managers.req_state import ReqState
+from srt.sampling.sampling_params import InvalidSamplingParam, SamplingParams
+from srt.server_args import ServerArgs
+from srt.utils.process import PortArgs, zmq_socket
+
+logger = logging.getLogger(__name__)
+
+# How often a waiting request checks whether its HTTP client went away.
+DISCONNECT_POLL_S = 1.0
+CONTROL_TIMEOUT_S = 30.0
+MAX_TOP_LOGPROBS = 20
+MAX_N = 64
+
+
+class TokenizerManager:
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        port_args: PortArgs,
+        ready: SchedulerReady,
+        served_model_name: str,
+    ) -> None:
+        self.server_args = server_args
+        self.port_args = port_args
+        self.model_path = ready.model_path
+        self.served_model_name = served_model_name
+        self.context_len = ready.context_len
+        self.vocab_size = ready.vocab_size
+        self.max_total_tokens = ready.max_total_tokens
+        self.max_running_requests = ready.max_running_requests
+        self.tokenizer: Any = None
+        if not server_args.skip_tokenizer_init:
+            from srt.model_loader.loader import get_tokenizer
+
+            self.tokenizer = get_tokenizer(self.model_path, server_args.tokenizer_path)
+        self.chat_template = load_chat_template(server_args.chat_template)
+        self.metrics = ServerMetrics(served_model_name)
+        self.last_stats: SchedulerStats | None = None
+        self.rid_to_state: dict[str, ReqState] = {}
+        self.control_waiters: dict[type, deque[asyncio.Future[Any]]] = {}
+        self.dead_reason: str | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- sockets and the receive loop ----------------------------------------------
+    def ensure_started(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self.loop is loop:
+            return
+        if self.loop is not None:
+            raise RuntimeError("a TokenizerManager serves one event loop; this is another one")
+        self.loop = loop
+        ctx = zmq.asyncio.Context(1)
+        self.recv_socket = zmq_socket(ctx, zmq.PULL, self.port_args.tokenizer_ipc, bind=True)
+        self.send_to_scheduler = zmq_socket(
+            ctx, zmq.PUSH, self.port_args.scheduler_input_ipc, bind=False
+        )
+        self.handle_task = loop.create_task(self.handle_loop())
+
+    async def handle_loop(self) -> None:
+        while True:
+            msg = await self.recv_socket.recv_pyobj()
+            try:
+                self.dispatch(msg)
+            except Exception:  # a bad message must not stop every other request
+                logger.exception("Failed to handle %s", type(msg).__name__)
+
+    def dispatch(self, msg: Any) -> None:
+        if isinstance(msg, BatchStrOut):
+            self.on_batch_output(msg)
+        elif isinstance(msg, SchedulerStats):
+            self.last_stats = msg
+            self.metrics.on_scheduler_stats(msg)
+        elif isinstance(msg, (FlushCacheReqOutput, GetInternalStateReqOutput)):
+            waiters = self.control_waiters.get(type(msg))
+            while waiters:
+                fut = waiters.popleft()
+                if not fut.done():
+                    fut.set_result(msg)
+                    break
+        else:
+            logger.warning("Unexpected message %s", type(msg).__name__)
+
+    def on_batch_output(self, batch: BatchStrOut) -> None:
+        out = batch.tokens
+        now = time.perf_counter()
+        for i, rid in enumerate(out.rids):
+            state = self.rid_to_state.get(rid)
+            if state is None:
+                continue  # a prefill-only request of n > 1, or one already abandoned
+            new_ids = out.new_token_ids[i]
+            if new_ids:
+                if state.first_token_time is None:
+                    state.first_token_time = now
+                    self.metrics.on_first_token(now - state.created_time)
+                else:
+                    self.metrics.on_tokens(now - state.last_token_time, len(new_ids))
+                state.last_token_time = now
+            state.apply(out, i, batch.new_texts[i], self.token_text)
+            if state.finished:
+                self.metrics.on_finish(
+                    now - state.created_time, out.prompt_tokens[i], out.completion_tokens[i]
+                )
+                del self.rid_to_state[rid]
+            state.notify()
+
+    def token_text(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id])
+
+    # ---- generation ----------------------------------------------------------------
+    async def generate_request(
+        self, obj: GenerateReqInput, request: Any = None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Yield outputs for one prompt (n of them when sampling_params has n > 1).
+
+        Streaming: cumulative snapshots, tagged with "index", the last per index finished.
+        Otherwise: one final output per index; a request the scheduler refused raises
+        `RequestError`.
+        """
+        self.check_alive()
+        self.ensure_started()
+        input_ids, params = self.tokenize_and_validate(obj)
+        rid = obj.rid if obj.rid is not None else uuid.uuid4().hex
+        msgs = make_requests(
+            rid,
+            input_ids,
+            params,
+            input_text=obj.text,
+            return_logprob=obj.return_logprob,
+            logprob_start_len=obj.logprob_start_len if obj.return_logprob else -1,
+            top_logprobs_num=obj.top_logprobs_num if obj.return_logprob else 0,
+            stream=obj.stream,
+        )
+        samples = msgs if params.n == 1 else msgs[1:]
+        if any(m.rid in self.rid_to_state for m in samples):
+            raise RequestError(f"Duplicate request id {rid!r}.", param="rid")
+        ready: asyncio.Queue[ReqState] = asyncio.Queue()
+        states = [
+            ReqState(
+                m.rid, rid, j, ready, obj.stream, obj.return_logprob, obj.return_text_in_logprobs
+            )
+            for j, m in enumerate(samples)
+        ]
+        for state in states:
+            self.rid_to_state[state.rid] = state
+        for msg in msgs:
+            self.send_to_scheduler.send_pyobj(msg)
+        try:
+            async for out in self._wait_outputs(states, ready, obj.stream, request):
+                yield out
+        finally:
+            unfinished = [s for s in states if not s.finished]
+            for state in unfinished:
+                self.rid_to_state.pop(state.rid, None)
+                self.send_to_scheduler.send_pyobj(AbortReq(state.rid))
+            if unfinished and params.n > 1:
+                self.send_to_scheduler.send_pyobj(AbortReq(prefill_rid(rid)))
+
+    async def _wait_outputs(
+        self,
+        states: list[ReqState],
+        ready: asyncio.Queue[ReqState],
+        stream: bool,
+        request: Any,
+    ) -> AsyncIterator[dict[str, Any]]:
+        pending = len(states)
+        while pending:
+            try:
+                state = await asyncio.wait_for(ready.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if request is not None and await request.is_disconnected():
+                    logger.info("Client disconnected; aborting request %s.", states[0].parent_rid)
+                    return
+                continue
+            state.queued = False
+            if state.finished:
+                pending -= 1
+            if stream:
+                yield state.snapshot()
+            elif state.finished:
+                reason = state.finish_reason or {}
+                if reason.get("type") == "abort" and reason.get("status_code"):
+                    raise RequestError(reason["message"], status_code=reason["status_code"])
+                yield state.snapshot()
+
+    def tokenize_and_validate(self, obj: GenerateReqInput) -> tuple[list[int], SamplingParams]:
+        if (obj.text is None) == (obj.input_ids is None):
+            raise RequestError("Give exactly one of `text` and `input_ids`.", param="text")
+        if obj.text is not None:
+            if not isinstance(obj.text, str):
+                raise RequestError("`text` must be a string or a list of strings.", param="text")
+            if self.tokenizer is None:
+                raise RequestError("This server has no tokenizer; send `input_ids`.", "text")
+            input_ids = self.tokenizer.encode(obj.text)
+        else:
+            input_ids = obj.input_ids
+            if not isinstance(input_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in input_ids
+            ):
+                raise RequestError("`input_ids` must be a list of integers.", param="input_ids")
+            if any(t < 0 or t >= self.vocab_size for t in input_ids):
+                raise RequestError(
+                    f"Input token ids must be in [0, {self.vocab_size}).", param="input_ids"
+                )
+        if not input_ids:
+            raise RequestError("The input is empty.", param="text")
+        params = self.parse_sampling_params(obj.sampling_params)
+        self.check_lengths(len(input_ids), params)
+        if obj.return_logprob:
+            if not isinstance(obj.logprob_start_len, int):
+                raise RequestError("`logprob_start_len` must be an integer.", "logprob_start_len")
+            if not -1 <= obj.logprob_start_len < len(input_ids):
+                raise RequestError(
+                    f"`logprob_start_len` must be in [-1, {len(input_ids)}), got "
+                    f"{obj.logprob_start_len}.",
+                    param="logprob_start_len",
+                )
+            if not isinstance(obj.top_logprobs_num, int) or not (
+                0 <= obj.top_logprobs_num <= MAX_TOP_LOGPROBS
+            ):
+                raise RequestError(
+                    f"`top_logprobs_num` must be an integer in [0, {MAX_TOP_LOGPROBS}].",
+                    param="top_logprobs_num",
+                )
+        return list(input_ids), params
+
+    def parse_sampling_params(self, raw: Any) -> SamplingParams:
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise RequestError("`sampling_params` must be an object.", param="sampling_params")
+        try:
+            params = SamplingParams.from_dict(raw)
+            params.check_types()
+            params.normalize()
+            params.verify(self.vocab_size)
+        except InvalidSamplingParam as e:
+            raise RequestError(str(e), param=e.param) from None
+        if params.n > MAX_N:
+            raise RequestError(f"`n` must be at most {MAX_N}, got {params.n}.", param="n")
+        return params
+
+    def check_lengths(self, prompt_len: int, params: SamplingParams) -> None:
+        if prompt_len >= self.context_len:
+            raise RequestError(
+                f"The input ({prompt_len} tokens) is longer than the model's context length "
+                f"({self.context_len} tokens).",
+                param="input_ids",
+            )
+        if params.max_new_tokens is None:
+            params.max_new_tokens = self.context_len - prompt_len
+        elif prompt_len + params.max_new_tokens > self.context_len:
+            raise RequestError(
+                f"Requested token count exceeds the model's maximum context length of "
+                f"{self.context_len} tokens. You requested a total of "
+                f"{prompt_len + params.max_new_tokens} tokens: {prompt_len} tokens from the "
+                f"input and {params.max_new_tokens} tokens for the completion. Reduce the "
+                "input or the requested completion length.",
+                param="max_new_tokens",
+            )
+
+    # ---- control -------------------------------------------------------------------
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        self.ensure_started()
+        if abort_all:
+            self.send_to_scheduler.send_pyobj(AbortReq("", abort_all=True))
+            return
+        rids = {s.rid for s in self.rid_to_state.values() if s.parent_rid == rid} | {rid}
+        for r in rids:
+            self.send_to_scheduler.send_pyobj(AbortReq(r))
+        self.send_to_scheduler.send_pyobj(AbortReq(prefill_rid(rid)))
+
+    async def flush_cache(self) -> FlushCacheReqOutput:
+        return await self._control(FlushCacheReq(), FlushCacheReqOutput)
+
+    async def get_internal_state(self) -> dict[str, Any]:
+        out = await self._control(GetInternalStateReq(), GetInternalStateReqOutput)
+        return out.state
+
+    async def _control(self, req: Any, reply_type: type) -> Any:
+        self.check_alive()
+        self.ensure_started()
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.control_waiters.setdefault(reply_type, deque()).append(fut)
+        self.send_to_scheduler.send_pyobj(req)
+        try:
+            return await asyncio.wait_for(fut, CONTROL_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise RequestError("The scheduler did not answer in time.", status_code=503) from None
+
+    def close(self) -> None:
+        """Stop receiving (call on the manager's loop)."""
+        if self.loop is not None:
+            self.handle_task.cancel()
+            self.recv_socket.close()
+            self.send_to_scheduler.close()
+
+    # ---- failure -------------------------------------------------------------------
+    def check_alive(self) -> None:
+        if self.dead_reason is not None:
+            raise RequestError(f"The server is shutting down: {self.dead_reason}", None, 503)
+
+    def fail_all(self, reason: str) -> None:
+        """A child process died: finish every waiting request with an error (loop thread)."""
+        self.dead_reason = reason
+        for state in list(self.rid_to_state.values()):
+            state.fail(reason)
+        self.rid_to_state.clear()
+
+
+def load_chat_template(spec: str | None) -> str | None:
+    """`--chat-template`: a path to a Jinja file, or the template text itself."""
+    if spec is None:
+        return None
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{%" in spec or "{{" in spec:
+        return spec
+    raise FileNotFoundError(f"--chat-template {spec!r} is neither a file nor a Jinja template")
