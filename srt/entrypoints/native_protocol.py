@@ -1,0 +1,168 @@
+"""SGLang's native `/generate` request and response shapes, shared by the HTTP route and
+the offline `Engine`.
+
+A body carries `text` or `input_ids`, each a single prompt or a batch, with
+`sampling_params` (one dict for all prompts, or one per prompt), `rid` (str or list),
+`stream`, and the logprob options. One prompt with n == 1 answers with one object; a batch
+or n > 1 answers with a list ordered prompt-major (prompt i, sample j -> i * n + j), and
+streamed items carry that position as "index".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from managers.errors import RequestError
+from managers.io_struct import GenerateReqInput
+
+MAX_BATCH = 4096
+
+
+def parse_generate(body: Any) -> tuple[list[GenerateReqInput], bool]:
+    """Split a body into one `GenerateReqInput` per prompt; also return whether it was a
+    batch. Unknown fields are ignored."""
+    if not isinstance(body, dict):
+        raise RequestError("The request body must be a JSON object.")
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if text is None and input_ids is None:
+        raise RequestError("Give `text` or `input_ids`.", param="text")
+    if text is not None and input_ids is not None:
+        raise RequestError("Give only one of `text` and `input_ids`.", param="text")
+    if text is not None:
+        is_batch = isinstance(text, list)
+        prompts = [("text", t) for t in (text if is_batch else [text])]
+    else:
+        if not isinstance(input_ids, list):
+            raise RequestError("`input_ids` must be a list of integers.", param="input_ids")
+        is_batch = bool(input_ids) and all(isinstance(x, list) for x in input_ids)
+        prompts = [("input_ids", ids) for ids in (input_ids if is_batch else [input_ids])]
+    if is_batch and not prompts:
+        raise RequestError("The batch is empty.", param="text")
+    if len(prompts) > MAX_BATCH:
+        raise RequestError(f"A batch holds at most {MAX_BATCH} prompts.", param="text")
+    params = _per_prompt(body.get("sampling_params"), len(prompts), "sampling_params", dict)
+    rids = _per_prompt(body.get("rid"), len(prompts), "rid", str)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError("`stream` must be a boolean.", param="stream")
+    options = {}
+    for name, kind, default in (
+        ("return_logprob", bool, False),
+        ("logprob_start_len", int, -1),
+        ("top_logprobs_num", int, 0),
+        ("return_text_in_logprobs", bool, False),
+    ):
+        value = body.get(name, default)
+        if value is None:
+            value = default
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise RequestError(f"`{name}` must be {kind.__name__}.", param=name)
+        options[name] = value
+    objs = [
+        GenerateReqInput(
+            **{field: prompt},
+            sampling_params=params[i] if params[i] is not None else {},
+            rid=rids[i],
+            stream=stream,
+            **options,
+        )
+        for i, (field, prompt) in enumerate(prompts)
+    ]
+    return objs, is_batch
+
+
+def _per_prompt(value: Any, n: int, name: str, kind: type) -> list[Any]:
+    if value is None:
+        return [None] * n
+    if isinstance(value, list):
+        if len(value) != n:
+            raise RequestError(f"`{name}` has {len(value)} entries for {n} prompts.", param=name)
+        values = value
+    else:
+        values = [value] * n
+    for v in values:
+        if v is not None and not isinstance(v, kind):
+            raise RequestError(f"`{name}` must be a {kind.__name__} or a list of them.", name)
+    if kind is str and n > 1 and not isinstance(value, list):
+        raise RequestError("A batch needs one `rid` per prompt.", param=name)
+    return values
+
+
+def num_samples(obj: GenerateReqInput) -> int:
+    n = obj.sampling_params.get("n", 1) if isinstance(obj.sampling_params, dict) else 1
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+
+
+def _drop_index(out: dict[str, Any]) -> dict[str, Any]:
+    out.pop("index", None)
+    return out
+
+
+async def generate_all(
+    tm: Any, objs: list[GenerateReqInput], is_batch: bool, request: Any = None
+) -> dict[str, Any] | list[dict[str, Any]]:
+    """Run every prompt concurrently; return the final output(s) in the native shape."""
+
+    async def one(obj: GenerateReqInput) -> list[dict[str, Any]]:
+        outs = [o async for o in tm.generate_request(obj, request)]
+        return sorted(outs, key=lambda o: o["index"])
+
+    tasks = [asyncio.ensure_future(one(obj)) for obj in objs]
+    try:
+        results = await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()  # one prompt failed: abort the others
+    flat = [out for outs in results for out in outs]
+    if not is_batch and len(flat) == 1:
+        return _drop_index(flat[0])
+    for i, out in enumerate(flat):
+        out["index"] = i
+    return flat
+
+
+async def stream_all(
+    tm: Any, objs: list[GenerateReqInput], is_batch: bool, request: Any = None
+) -> AsyncIterator[dict[str, Any]]:
+    """Merge the streams of every prompt; yield cumulative outputs as they come."""
+    single = not is_batch and num_samples(objs[0]) == 1
+    if len(objs) == 1:
+        gen = tm.generate_request(objs[0], request)
+        async with contextlib.aclosing(gen):
+            async for out in gen:
+                yield _drop_index(out) if single else out
+        return
+    queue: asyncio.Queue[tuple[int, dict[str, Any] | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, obj: GenerateReqInput) -> None:
+        gen = tm.generate_request(obj, request)
+        try:
+            async with contextlib.aclosing(gen):
+                async for out in gen:
+                    queue.put_nowait((i, out))
+        except BaseException as e:  # noqa: BLE001 - re-raised by the consumer below
+            queue.put_nowait((i, e))
+            return
+        queue.put_nowait((i, None))
+
+    offsets = [0]
+    for obj in objs:
+        offsets.append(offsets[-1] + num_samples(obj))
+    tasks = [asyncio.ensure_future(pump(i, obj)) for i, obj in enumerate(objs)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                item["index"] = offsets[i] + item["index"]
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()

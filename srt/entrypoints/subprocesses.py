@@ -1,0 +1,118 @@
+"""Start the scheduler and detokenizer processes, wait for readiness, watch them, stop them.
+
+Children are started with the `spawn` method (a fresh interpreter: no forked torch or
+asyncio state) and as daemons. A watchdog thread waits on their sentinels: a child that dies
+while the server is not stopping is logged by name and takes the others down, and the owner
+is told through a callback. Children also die with the parent (see
+`srt.utils.process.become_child`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import wait
+
+from managers.detokenizer_manager import run_detokenizer_process
+from managers.io_struct import SchedulerReady
+from managers.scheduler_process import run_scheduler_process
+from srt.server_args import ServerArgs
+from srt.utils.process import PortArgs
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 900.0
+STOP_TIMEOUT_S = 5.0
+
+
+class ChildStartError(RuntimeError):
+    pass
+
+
+class ChildProcesses:
+    def __init__(self, server_args: ServerArgs) -> None:
+        from srt.model_loader.loader import resolve_model_path
+
+        # Resolve (and convert a GGUF) once here, so the children load the same folder.
+        model_path = resolve_model_path(server_args.model_path, server_args.cache_dir)
+        child_args = dataclasses.replace(server_args, model_path=model_path)
+        self.port_args = PortArgs.new()
+        self.stopping = False
+        ctx = mp.get_context("spawn")
+        reader, writer = ctx.Pipe(duplex=False)
+        pid = os.getpid()
+        self.procs = {
+            "scheduler": ctx.Process(
+                target=run_scheduler_process,
+                args=(child_args, self.port_args, writer, pid),
+                name="radixrt-scheduler",
+                daemon=True,
+            ),
+            "detokenizer": ctx.Process(
+                target=run_detokenizer_process,
+                args=(child_args, self.port_args, model_path, pid),
+                name="radixrt-detokenizer",
+                daemon=True,
+            ),
+        }
+        for proc in self.procs.values():
+            proc.start()
+        writer.close()
+        try:
+            self.ready = self._wait_ready(reader)
+        except BaseException:
+            self.stop()
+            raise
+        finally:
+            reader.close()
+
+    def _wait_ready(self, reader: mp.connection.Connection) -> SchedulerReady:
+        scheduler = self.procs["scheduler"]
+        ready = wait([reader, scheduler.sentinel], timeout=READY_TIMEOUT_S)
+        if reader in ready:
+            try:
+                status, payload = reader.recv()
+            except EOFError:
+                status, payload = "error", "the scheduler exited during startup"
+            if status == "ready":
+                return payload
+            raise ChildStartError(f"Scheduler failed to start:\n{payload}")
+        if not ready:
+            raise ChildStartError(f"Scheduler not ready after {READY_TIMEOUT_S:.0f} s")
+        raise ChildStartError(f"Scheduler exited during startup (code {scheduler.exitcode})")
+
+    def pids(self) -> dict[str, int | None]:
+        return {name: proc.pid for name, proc in self.procs.items()}
+
+    def watch(self, on_death: Callable[[str], None]) -> None:
+        """Call `on_death(reason)` from a watchdog thread if a child dies unexpectedly."""
+
+        def run() -> None:
+            sentinels = {proc.sentinel: name for name, proc in self.procs.items()}
+            done = wait(list(sentinels))
+            if self.stopping:
+                return
+            name = sentinels[done[0]]
+            proc = self.procs[name]
+            proc.join(0.1)
+            reason = f"{name} process (pid {proc.pid}) exited unexpectedly (code {proc.exitcode})"
+            logger.error("%s; shutting down.", reason.capitalize())
+            self.stop()
+            on_death(reason)
+
+        threading.Thread(target=run, name="radixrt-watchdog", daemon=True).start()
+
+    def stop(self) -> None:
+        """Kill every child and reap it. Children ignore SIGTERM (see `become_child`); they
+        hold nothing that needs flushing, so SIGKILL is the whole protocol."""
+        self.stopping = True
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.procs.values():
+            proc.join(STOP_TIMEOUT_S)
+        self.port_args.cleanup()
