@@ -1,0 +1,254 @@
+"""OpenAI request models (pydantic, validated) and response shapes (dataclasses for orjson).
+
+Unknown request fields are ignored, as OpenAI clients send fields we do not implement.
+Range checks live here so a bad value is a 400 naming its field before any tokenization.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+MAX_N = 16
+MAX_STOP_SEQUENCES = 16
+MAX_TOP_LOGPROBS = 20
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class ResponseFormat(_Lenient):
+    """Only `{"type": "text"}` is served; structured output will map the others."""
+
+    type: str
+    json_schema: dict[str, Any] | None = None
+
+
+class SamplingRequest(_Lenient):
+    """Fields shared by completions and chat: OpenAI sampling plus SGLang extras."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    user: str | None = None
+    # SGLang extras, passed through under their native names.
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_shape(cls, value: Any) -> Any:
+        is_list = isinstance(value, list) and all(isinstance(s, str) for s in value)
+        is_list = is_list and len(value) <= MAX_STOP_SEQUENCES
+        if value is None or isinstance(value, str) or is_list:
+            return value
+        raise ValueError(f"stop must be a string or a list of at most {MAX_STOP_SEQUENCES} strings")
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+PromptField = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: PromptField
+    # OpenAI's default for the legacy completions endpoint.
+    max_tokens: int | None = Field(16, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Any:
+        """Check by hand: a 4-way union's pydantic errors would be unreadable."""
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and value:
+            if all(isinstance(p, str) for p in value):
+                return value
+            if all(_is_token_id(p) for p in value):
+                return value
+            if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in value):
+                return value
+        raise ValueError(
+            "prompt must be a string, a non-empty list of strings, a non-empty list of token "
+            "ids or a non-empty list of non-empty token id lists"
+        )
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+class TextContentPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[TextContentPart] | None = Field(None, validate_default=True)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_shape(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None and info.data.get("role") != "assistant":
+            raise ValueError("content is required except for assistant messages")
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in value
+        ):
+            return value
+        raise ValueError('content must be a string or a list of {"type": "text", "text"} parts')
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return value
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+
+# ---- responses (plain dataclasses: orjson serializes them directly) ----
+
+
+@dataclass(slots=True, kw_only=True)
+class PromptTokensDetails:
+    cached_tokens: int = 0
+
+
+@dataclass(slots=True, kw_only=True)
+class UsageInfo:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class ModelCard:
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "radixrt"
+    root: str
+    max_model_len: int
+
+
+@dataclass(slots=True, kw_only=True)
+class CompletionChoice:
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    # SGLang extra: the stop string or stop token id that ended the choice.
+    matched_stop: int | str | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class CompletionResponse:
+    """Both the full response and a stream chunk (OpenAI uses one object name for both)."""
+
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class ChatResponseMessage:
+    role: str = "assistant"
+    content: str | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class ChatChoice:
+    index: int
+    message: ChatResponseMessage
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class ChatCompletionResponse:
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class DeltaMessage:
+    role: str | None = None
+    content: str | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class ChatStreamChoice:
+    index: int
+    delta: DeltaMessage
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class ChatCompletionChunk:
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None

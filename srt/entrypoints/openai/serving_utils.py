@@ -1,0 +1,235 @@
+"""What completions and chat share: the tokenizer-manager contract, request -> sampling
+params, merged output streams, usage accounting and the SSE response.
+
+Every generator from `generate_request` is closed on every path (`aclosing`): closing it is
+how a finished-early or disconnected request gets aborted in the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import orjson
+from fastapi import Request, Response
+from starlette.responses import StreamingResponse
+from starlette.types import Send
+
+from managers.errors import RequestError
+from managers.io_struct import GenerateReqInput
+from srt.entrypoints.http_errors import request_error_response, sse_error_event
+from srt.entrypoints.openai.protocol import (
+    PromptTokensDetails,
+    ResponseFormat,
+    SamplingRequest,
+    UsageInfo,
+)
+
+logger = logging.getLogger(__name__)
+
+SSE_DONE = b"data: [DONE]\n\n"
+ABORT_STATUS = 500  # an abort whose finish reason carries no status code
+
+
+class TokenizerManagerLike(Protocol):
+    """The part of the TokenizerManager the OpenAI layer uses."""
+
+    tokenizer: Any
+    served_model_name: str
+    model_path: str
+    context_len: int
+    chat_template: str | None
+
+    def generate_request(
+        self, obj: GenerateReqInput, request: Request | None = None
+    ) -> AsyncGenerator[dict[str, Any], None]: ...
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def check_model(tm: TokenizerManagerLike, model: str | None) -> None:
+    if model and model not in (tm.served_model_name, tm.model_path):
+        raise RequestError(f"The model `{model}` does not exist.", "model", 404)
+
+
+def apply_response_format(fmt: ResponseFormat | None, params: dict[str, Any]) -> None:
+    """The one place `response_format` becomes sampling params (structured output: later)."""
+    if fmt is None or fmt.type == "text":
+        return
+    raise RequestError("response_format is not supported yet", "response_format")
+
+
+def sampling_params(req: SamplingRequest, max_new_tokens: int | None) -> dict[str, Any]:
+    """SGLang-native sampling params; unset optional fields keep the server defaults."""
+    params: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "n": req.n,
+        "ignore_eos": req.ignore_eos,
+        "skip_special_tokens": req.skip_special_tokens,
+        "spaces_between_special_tokens": req.spaces_between_special_tokens,
+        "no_stop_trim": req.no_stop_trim,
+    }
+    optional = {
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
+        "min_new_tokens": req.min_tokens,
+        "stop": req.stop,
+        "stop_token_ids": req.stop_token_ids,
+        "seed": req.seed,
+    }
+    params.update({k: v for k, v in optional.items() if v is not None})
+    apply_response_format(req.response_format, params)
+    return params
+
+
+def finish_reason(out: dict[str, Any]) -> tuple[str | None, int | str | None]:
+    """(OpenAI finish_reason, matched stop) of one output; raises on an abort."""
+    reason = out["meta_info"].get("finish_reason")
+    if reason is None:
+        return None, None
+    kind = reason.get("type")
+    if kind == "abort":
+        message = reason.get("message") or "The request was aborted"
+        raise RequestError(message, None, reason.get("status_code") or ABORT_STATUS)
+    if kind == "stop":
+        return "stop", reason.get("matched")
+    return str(kind), None
+
+
+@dataclass(slots=True)
+class UsageTracker:
+    """Token counts of the latest output per choice; each prompt's tokens count once."""
+
+    prompt_tokens: dict[int, int] = field(default_factory=dict)
+    cached_tokens: dict[int, int] = field(default_factory=dict)
+    completion_tokens: dict[int, int] = field(default_factory=dict)
+
+    def update(self, prompt_index: int, choice_index: int, meta: dict[str, Any]) -> None:
+        self.prompt_tokens[prompt_index] = meta.get("prompt_tokens", 0)
+        cached = max(self.cached_tokens.get(prompt_index, 0), meta.get("cached_tokens", 0))
+        self.cached_tokens[prompt_index] = cached
+        self.completion_tokens[choice_index] = meta.get("completion_tokens", 0)
+
+    def usage(self) -> UsageInfo:
+        prompt = sum(self.prompt_tokens.values())
+        completion = sum(self.completion_tokens.values())
+        return UsageInfo(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(
+                cached_tokens=sum(self.cached_tokens.values())
+            ),
+        )
+
+
+async def merge_outputs(
+    gens: list[AsyncGenerator[dict[str, Any], None]],
+) -> AsyncGenerator[tuple[int, dict[str, Any]], None]:
+    """(prompt index, output) from all generators as they arrive; closes all of them on exit."""
+    async with contextlib.AsyncExitStack() as stack:
+        for gen in gens:
+            await stack.enter_async_context(contextlib.aclosing(gen))
+        if len(gens) == 1:
+            async for out in gens[0]:
+                yield 0, out
+            return
+        pending = {asyncio.ensure_future(anext(gen)): i for i, gen in enumerate(gens)}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    i = pending.pop(task)
+                    try:
+                        out = task.result()
+                    except StopAsyncIteration:
+                        continue
+                    pending[asyncio.ensure_future(anext(gens[i]))] = i
+                    yield i, out
+        finally:
+            # A generator cannot be closed while a task is inside it: cancel first.
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def collect_final(
+    gens: list[AsyncGenerator[dict[str, Any], None]], n: int
+) -> dict[tuple[int, int], dict[str, Any]]:
+    """Non-streaming: the final output of every (prompt index, sample index)."""
+    finals: dict[tuple[int, int], dict[str, Any]] = {}
+    async with contextlib.aclosing(merge_outputs(gens)) as outputs:
+        async for i, out in outputs:
+            finals[(i, out.get("index", 0))] = out
+    if len(finals) != len(gens) * n:
+        raise RequestError(f"expected {len(gens) * n} outputs, got {len(finals)}", None, 500)
+    return finals
+
+
+def sse_event(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+async def _sse(chunks: AsyncGenerator[Any, None]) -> AsyncGenerator[bytes, None]:
+    started = False
+    async with contextlib.aclosing(chunks):
+        try:
+            async for chunk in chunks:
+                started = True
+                yield sse_event(chunk)
+        except RequestError as err:
+            if not started:
+                raise
+            yield sse_error_event(err.message, err.status_code, err.param)
+        except Exception as err:
+            if not started:
+                raise
+            logger.exception("Stream failed after its first chunk")
+            yield sse_error_event(f"Internal server error: {type(err).__name__}: {err}")
+    yield SSE_DONE
+
+
+class _SSEResponse(StreamingResponse):
+    """Sends an already-produced first event, then the rest; always closes the stream."""
+
+    def __init__(self, first: bytes, events: AsyncGenerator[bytes, None]) -> None:
+        super().__init__(
+            events,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._first = first
+        self._events = events
+
+    async def stream_response(self, send: Send) -> None:
+        # Starlette leaves the iterator open when it is cancelled mid-send (disconnect).
+        async with contextlib.aclosing(self._events):
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            await send({"type": "http.response.body", "body": self._first, "more_body": True})
+            async for event in self._events:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def sse_response(chunks: AsyncGenerator[Any, None]) -> Response:
+    """SSE of `chunks`; an error before the first chunk is a plain JSON error response."""
+    events = _sse(chunks)
+    try:
+        first = await anext(events)
+    except RequestError as err:
+        return request_error_response(err)
+    except StopAsyncIteration:  # pragma: no cover - _sse always ends with [DONE]
+        first = SSE_DONE
+    return _SSEResponse(first, events)

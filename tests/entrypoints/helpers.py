@@ -1,0 +1,44 @@
+"""Small HTTP helpers for the entrypoint tests (plain `requests`, no OpenAI client)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import requests
+
+TIMEOUT_S = 10
+
+
+def post(url: str, body: dict[str, Any] | bytes) -> requests.Response:
+    data = body if isinstance(body, bytes) else orjson.dumps(body)
+    headers = {"Content-Type": "application/json"}
+    return requests.post(url, data=data, headers=headers, timeout=TIMEOUT_S)
+
+
+def sse_events(url: str, body: dict[str, Any]) -> list[Any]:
+    """Every `data:` payload of a streamed response, decoded; "[DONE]" stays a string."""
+    with requests.post(url, json=body, stream=True, timeout=TIMEOUT_S) as resp:
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events: list[Any] = []
+        for line in resp.iter_lines():
+            if not line:
+                continue
+            assert line.startswith(b"data: "), line
+            payload = line[len(b"data: ") :]
+            events.append("[DONE]" if payload == b"[DONE]" else orjson.loads(payload))
+    assert events and events[-1] == "[DONE]", events
+    return events
+
+
+def assert_error(resp: requests.Response, status: int, param: str | None = None) -> dict[str, Any]:
+    """The response is our error shape with `status`; returns the error object."""
+    assert resp.status_code == status, (resp.status_code, resp.text)
+    assert resp.headers["content-type"].startswith("application/json")
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert error["code"] == status and isinstance(error["message"], str) and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error
