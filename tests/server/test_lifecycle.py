@@ -1,0 +1,85 @@
+"""Process lifecycle: SIGTERM exits cleanly, a killed scheduler takes the server down fast,
+and no child process outlives the server. Also the API key."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+import requests
+
+from tests.server.server_process import ServerProcess, alive
+
+pytestmark = pytest.mark.slow
+
+SMALL = ("--max-total-tokens", "4096", "--dtype", "bfloat16")
+
+
+def test_sigterm_is_clean_and_api_key_is_enforced(tmp_path) -> None:
+    srv = ServerProcess(*SMALL, "--api-key", "sekrit", log_path=tmp_path / "log")
+    try:
+        assert len(srv.children) >= 2  # scheduler, detokenizer (+ mp's resource tracker)
+        assert requests.get(srv.url + "/health", timeout=10).status_code == 200  # open
+        body = {"text": "Hi", "sampling_params": {"max_new_tokens": 2}}
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = requests.post(srv.url + "/generate", json=body, headers=headers, timeout=30)
+            assert r.status_code == 401
+            assert r.json()["error"]["code"] == 401
+        r = requests.get(srv.url + "/v1/models", timeout=30)
+        assert r.status_code == 401
+        ok = requests.post(
+            srv.url + "/generate", json=body, headers={"Authorization": "Bearer sekrit"}, timeout=30
+        )
+        assert ok.status_code == 200, ok.text
+    finally:
+        code = srv.stop(signal.SIGTERM)
+    assert code == 0, srv.tail()
+    time.sleep(0.5)
+    assert not [p for p in srv.children if alive(p)]
+
+
+def test_killed_scheduler_takes_server_down(tmp_path) -> None:
+    srv = ServerProcess(*SMALL, log_path=tmp_path / "log")
+    info = requests.get(srv.url + "/get_server_info", timeout=30).json()
+    scheduler_pid = info["internal_states"][0]["pid"]
+    assert scheduler_pid in srv.children
+
+    stream_end: dict = {}
+
+    def in_flight() -> None:
+        body = {
+            "text": "Tell me a long story.",
+            "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
+            "stream": True,
+        }
+        try:
+            with requests.post(srv.url + "/generate", json=body, stream=True, timeout=60) as r:
+                lines = [line for line in r.iter_lines() if line]
+            stream_end["last"] = lines[-2:] if lines else []
+        except requests.RequestException as e:
+            stream_end["error"] = repr(e)
+        stream_end["t"] = time.monotonic()
+
+    t = threading.Thread(target=in_flight)
+    t.start()
+    time.sleep(1.5)
+    killed_at = time.monotonic()
+    os.kill(scheduler_pid, signal.SIGKILL)
+    try:
+        code = srv.proc.wait(10)
+    except subprocess.TimeoutExpired:
+        srv.stop(signal.SIGKILL)
+        raise AssertionError(f"server still alive 10 s after its scheduler died: {srv.tail()}")
+    assert code != 0
+    assert "scheduler process" in srv.tail().lower()
+    t.join(15)
+    assert "t" in stream_end and stream_end["t"] - killed_at < 10, stream_end
+    if "last" in stream_end:  # the stream ended with an error event, not a fake success
+        assert b"error" in b"".join(stream_end["last"]), stream_end
+    time.sleep(0.5)
+    assert not [p for p in srv.children if alive(p)], "a child outlived the server"
+    srv.stop()
