@@ -187,7 +187,14 @@ class Scheduler(SchedulerOutputMixin):
 
     # ---- one iteration -------------------------------------------------------------
     def is_idle(self) -> bool:
-        return not self.waiting_queue and self.running_batch.is_empty() and self.chunked_req is None
+        # A prefill batch that just ran is merged into the running batch only at the next
+        # step, so until then `last_batch` still holds live requests.
+        return (
+            not self.waiting_queue
+            and self.running_batch.is_empty()
+            and self.chunked_req is None
+            and self.last_batch is None
+        )
 
     def step(self) -> bool:
         """Run one batch if there is one; return whether anything ran."""

@@ -226,3 +226,28 @@ def test_paged_admission_counts_whole_pages() -> None:
     first_prefill = next(c for c in driver.worker.forward_calls if c.forward_mode.is_extend())
     assert len(first_prefill.seq_lens_cpu) <= 4
     assert_idle_and_clean(driver)
+
+
+def test_not_idle_between_prefill_and_first_decode() -> None:
+    """The server loop sleeps on its socket while idle; a request that has just prefilled
+    (still in `last_batch`, not yet merged into the running batch) must keep it awake."""
+    driver = make_driver()
+    driver.submit(prompts(1, 10, 10)[0], SamplingParams(max_new_tokens=4))
+    assert not driver.scheduler.is_idle()
+    assert driver.step()  # the prefill
+    assert not driver.scheduler.is_idle()
+    driver.run_until_idle()
+    assert driver.scheduler.is_idle()
+
+
+def test_abort_reaches_a_request_that_just_prefilled() -> None:
+    driver = make_driver()
+    [rid] = driver.submit(prompts(1, 10, 10)[0], SamplingParams(max_new_tokens=50))
+    assert driver.step()  # prefill; the request sits in last_batch
+    driver.abort(rid)
+    driver.run_until_idle()
+    out = driver.result(rid)
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(out["output_ids"]) < 50
+    assert driver.scheduler.num_aborted_reqs == 1
+    assert_idle_and_clean(driver)
