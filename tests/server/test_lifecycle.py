@@ -19,8 +19,24 @@ pytestmark = pytest.mark.slow
 SMALL = ("--max-total-tokens", "4096", "--dtype", "bfloat16")
 
 
-def test_sigterm_is_clean_and_api_key_is_enforced(tmp_path) -> None:
-    srv = ServerProcess(*SMALL, "--api-key", "sekrit", log_path=tmp_path / "log")
+TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+
+
+def test_options_server_then_sigterm(tmp_path) -> None:
+    """--api-key, --served-model-name and --chat-template; then SIGTERM exits 0."""
+    template = tmp_path / "template.jinja"
+    template.write_text(TEMPLATE)
+    srv = ServerProcess(
+        *SMALL,
+        "--api-key",
+        "sekrit",
+        "--served-model-name",
+        "my-model",
+        "--chat-template",
+        str(template),
+        log_path=tmp_path / "log",
+    )
+    auth = {"Authorization": "Bearer sekrit"}
     try:
         assert len(srv.children) >= 2  # scheduler, detokenizer (+ mp's resource tracker)
         assert requests.get(srv.url + "/health", timeout=10).status_code == 200  # open
@@ -29,12 +45,26 @@ def test_sigterm_is_clean_and_api_key_is_enforced(tmp_path) -> None:
             r = requests.post(srv.url + "/generate", json=body, headers=headers, timeout=30)
             assert r.status_code == 401
             assert r.json()["error"]["code"] == 401
-        r = requests.get(srv.url + "/v1/models", timeout=30)
-        assert r.status_code == 401
-        ok = requests.post(
-            srv.url + "/generate", json=body, headers={"Authorization": "Bearer sekrit"}, timeout=30
-        )
+        assert requests.get(srv.url + "/v1/models", timeout=30).status_code == 401
+        ok = requests.post(srv.url + "/generate", json=body, headers=auth, timeout=30)
         assert ok.status_code == 200, ok.text
+
+        models = requests.get(srv.url + "/v1/models", headers=auth, timeout=30).json()
+        assert [m["id"] for m in models["data"]] == ["my-model"]
+        messages = [{"role": "user", "content": "Hello"}]
+        chat = requests.post(
+            srv.url + "/v1/chat/completions",
+            json={"model": "my-model", "messages": messages, "max_tokens": 1},
+            headers=auth,
+            timeout=60,
+        ).json()
+        expected = requests.post(
+            srv.url + "/tokenize",
+            json={"prompt": "<user>Hello<assistant>", "add_special_tokens": False},
+            headers=auth,
+            timeout=30,
+        ).json()["count"]
+        assert chat["usage"]["prompt_tokens"] == expected
     finally:
         code = srv.stop(signal.SIGTERM)
     assert code == 0, srv.tail()
