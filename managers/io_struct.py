@@ -124,6 +124,10 @@ class SchedulerStats:
     gen_throughput: float
     num_retracted_reqs: int  # cumulative
     max_total_tokens: int
+    # Cumulative seconds the model worker waited for the scheduler between consecutive
+    # forwards, and spent in forwards.
+    worker_idle_s: float = 0.0
+    worker_busy_s: float = 0.0
 
 
 @dataclass

@@ -59,7 +59,17 @@ class ServerMetrics:
         self.vllm_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled")
         self.vllm_running = gauge("vllm:num_requests_running", "Requests running")
         self.vllm_kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1")
+        self.worker_idle = counter(
+            "radixrt:worker_idle_seconds",
+            "Time the model worker waited for the scheduler between consecutive forwards",
+        )
+        self.worker_busy = counter("radixrt:worker_busy_seconds", "Time spent in forwards")
+        self.worker_idle_fraction = gauge(
+            "radixrt:worker_idle_fraction",
+            "Share of the last stats interval the model worker waited for the scheduler",
+        )
         self._retracted_seen = 0
+        self._worker_seen = (0.0, 0.0)
 
     def on_scheduler_stats(self, stats: SchedulerStats) -> None:
         self.num_running_reqs.set(stats.num_running_reqs)
@@ -70,6 +80,13 @@ class ServerMetrics:
         self.vllm_running.set(stats.num_running_reqs)
         self.vllm_waiting.set(stats.num_queue_reqs)
         self.vllm_kv_usage.set(stats.token_usage)
+        idle = stats.worker_idle_s - self._worker_seen[0]
+        busy = stats.worker_busy_s - self._worker_seen[1]
+        if idle + busy > 0:
+            self.worker_idle.inc(idle)
+            self.worker_busy.inc(busy)
+            self.worker_idle_fraction.set(idle / (idle + busy))
+            self._worker_seen = (stats.worker_idle_s, stats.worker_busy_s)
         if stats.num_retracted_reqs > self._retracted_seen:
             self.num_retracted.inc(stats.num_retracted_reqs - self._retracted_seen)
             self._retracted_seen = stats.num_retracted_reqs

@@ -89,6 +89,8 @@ class Req:
         self.stream = stream
         self.extra_key = extra_key
         self.output_ids: list[int] = []
+        # Overlap loop: the future token id of a launched, not yet processed sample.
+        self.pending_token: int | None = None
         self._decode_options: DecodeOptions | None = None
 
         # Tokens that will have KV after the next extend (prompt + output so far, or a chunk).
@@ -135,6 +137,19 @@ class Req:
     def finished(self) -> bool:
         return self.finished_reason is not None
 
+    def next_input_token(self) -> int:
+        """The token the next decode feeds: a future placeholder while the overlap loop has
+        not processed the forward that samples it."""
+        return self.pending_token if self.pending_token is not None else self.output_ids[-1]
+
+    def needs_sync(self) -> bool:
+        """Whether building this request's next batch needs its latest token on the host
+        (penalties count output tokens)."""
+        p = self.sampling_params
+        return (
+            p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0
+        )
+
     def decode_options(self) -> DecodeOptions:
         if self._decode_options is None:
             p = self.sampling_params
@@ -167,6 +182,7 @@ class Req:
         self.is_chunked = len(self.fill_ids) < self.seq_len()
 
     def reset_for_retract(self) -> None:
+        self.pending_token = None  # that sample is dropped; it is recomputed on resume
         self.fill_ids = []
         self.extend_input_len = 0
         self.is_chunked = False

@@ -45,6 +45,19 @@ class ModelWorkerBatch:
     input_logprob_specs: list[tuple[int, list[int]] | None] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class BatchLaunch:
+    """A launched batch as result processing sees it (see `ScheduleBatch.launch_record`)."""
+
+    forward_mode: ForwardMode
+    reqs: list[Req]
+    prefix_lens: list[int]
+    chunked: list[bool]  # the request ran a non-final chunk: no token to append
+    retract_counts: list[int]  # a request retracted since launch has its token dropped
+    placeholders: list[int] | None  # overlap loop: the future token id of each request
+    continuous: bool = False  # overlap loop: launched right after another batch
+
+
 class OutOfKVError(RuntimeError):
     pass
 
@@ -133,7 +146,7 @@ class ScheduleBatch:
         self.prefix_lens = [r.kv_allocated_len for r in self.reqs]
         self.seq_lens = [n + 1 for n in self.prefix_lens]
         self.extend_lens = [1] * len(self.reqs)
-        self.input_ids = [r.output_ids[-1] for r in self.reqs]
+        self.input_ids = [r.next_input_token() for r in self.reqs]
         self._evict_for(self.decode_tokens_needed())
         loc = self.allocator.alloc_decode(self.seq_lens, self._last_locs(self.prefix_lens))
         if loc is None:
@@ -178,6 +191,21 @@ class ScheduleBatch:
     def merge_batch(self, other: ScheduleBatch) -> None:
         self.reqs = self.reqs + other.reqs
 
+    def launch_record(self, placeholders: list[int] | None = None) -> BatchLaunch:
+        """What result processing needs, frozen at launch: the overlap loop builds (and
+        mutates) the next batch before this one's result is processed."""
+        for req, ph in zip(self.reqs, placeholders or [], strict=False):
+            if not req.is_chunked:
+                req.pending_token = ph
+        return BatchLaunch(
+            forward_mode=self.forward_mode,
+            reqs=list(self.reqs),
+            prefix_lens=list(self.prefix_lens),
+            chunked=[r.is_chunked for r in self.reqs],
+            retract_counts=[r.retract_count for r in self.reqs],
+            placeholders=placeholders,
+        )
+
     # ---- snapshot for the worker ---------------------------------------------------
     def model_worker_batch(self) -> ModelWorkerBatch:
         logits_rows: list[int] = []
@@ -213,7 +241,16 @@ class ScheduleBatch:
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64),
             sample_indices=torch.tensor(sample_rows, dtype=torch.int64),
             sampling_info=SamplingBatchInfo.from_reqs(
-                self.reqs, self.vocab_size, "cpu", eos_token_ids=self.eos_token_ids
+                self.reqs,
+                self.vocab_size,
+                "cpu",
+                eos_token_ids=self.eos_token_ids,
+                # Index of the token each row samples, from KV lengths: right even when the
+                # overlap loop has not appended the previous token to `output_ids` yet.
+                output_lens=[
+                    max(s - len(r.origin_input_ids), 0)
+                    for r, s in zip(self.reqs, self.seq_lens, strict=True)
+                ],
             ),
             return_logprob=any(r.return_logprob for r in self.reqs),
             top_logprobs_nums=[r.top_logprobs_num if r.return_logprob else 0 for r in self.reqs],

@@ -28,6 +28,7 @@ from managers.req import Req, finish_abort
 from managers.schedule_batch import ScheduleBatch
 from managers.schedule_policy import AddResult, PrefillAdder, SchedulePolicy
 from managers.scheduler_output import SchedulerOutputMixin
+from managers.scheduler_overlap import SchedulerOverlapMixin
 from mem_cache.chunk_cache import ChunkCache
 from mem_cache.integrity import MemoryLeakError, check_memory_integrity
 from mem_cache.radix_cache import RadixCache
@@ -41,7 +42,7 @@ NEW_TOKEN_RATIO_DECAY_STEPS = 600
 RETRACT_DECODE_STEPS = 20
 
 
-class Scheduler(SchedulerOutputMixin):
+class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
     def __init__(
         self,
         server_args: ServerArgs,
@@ -91,6 +92,7 @@ class Scheduler(SchedulerOutputMixin):
         self.forward_ct = 0
         self.was_idle = True
         self.raise_on_leak = True
+        self._init_overlap()
         self.memory_check: dict[str, Any] = {"ok": None, "error": None, "time": None}
         self._init_output_state()
 
@@ -194,25 +196,36 @@ class Scheduler(SchedulerOutputMixin):
             and self.running_batch.is_empty()
             and self.chunked_req is None
             and self.last_batch is None
+            and self.pending is None
         )
 
     def step(self) -> bool:
-        """Run one batch if there is one; return whether anything ran."""
+        """One iteration of the configured loop; return whether anything ran."""
+        return self.step_overlap() if self.overlap else self.step_normal()
+
+    def step_normal(self) -> bool:
+        """`event_loop_normal`'s iteration: build, run, process, in sequence."""
         with record_function("scheduler"):
             batch = self.get_next_batch_to_run()
             self.last_batch = batch
             if batch is None:
-                if not self.was_idle and self.is_idle():
-                    self.was_idle = True
-                    self.check_memory()
+                self.idle_tracker.pause()
+                self._on_maybe_idle()
                 return False
             self.was_idle = False
             worker_batch = batch.model_worker_batch()
+        start = time.perf_counter()
         result = self.worker.forward_batch_generation(worker_batch)
+        self.idle_tracker.forward(start, time.perf_counter())
         self.forward_ct += 1
         with record_function("scheduler"):
-            self.process_batch_result(batch, result)
+            self.process_batch_result(batch.launch_record(), result)
         return True
+
+    def _on_maybe_idle(self) -> None:
+        if not self.was_idle and self.is_idle():
+            self.was_idle = True
+            self.check_memory()
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         for _ in range(max_steps):
@@ -261,6 +274,10 @@ class Scheduler(SchedulerOutputMixin):
             max_new_reqs += 1  # the chunked request already holds a row
         if max_new_reqs <= 0:
             return None
+        if self.chunked_req is not None:
+            # Its previous chunk (maybe still in flight) goes into the tree; the next chunk
+            # continues from there.
+            self.tree_cache.cache_unfinished_req(self.chunked_req)
         self.policy.calc_priority(self.waiting_queue)
         adder = PrefillAdder(
             self.tree_cache,
@@ -291,6 +308,12 @@ class Scheduler(SchedulerOutputMixin):
             if not self.running_batch.is_empty():
                 batch.mix_with_running(self.running_batch)
                 self.running_batch = self._new_batch([])
+        # Put the prompts in the tree at once (their KV is computed by this batch, before any
+        # later forward reads it), so requests held back this round hit it in the next one,
+        # even when the overlap loop builds that round before this one's result is back.
+        for req in batch.reqs:
+            if not req.is_chunked:
+                self.tree_cache.cache_unfinished_req(req)
         self.log_prefill_stats(adder, batch)
         return batch
 

@@ -14,7 +14,7 @@ from managers.io_struct import BatchTokenIDOut
 from managers.req import Req, finish_length
 
 if TYPE_CHECKING:
-    from managers.schedule_batch import ScheduleBatch
+    from managers.schedule_batch import BatchLaunch, ScheduleBatch
     from managers.schedule_policy import PrefillAdder
 
 logger = logging.getLogger(__name__)
@@ -40,36 +40,36 @@ class SchedulerOutputMixin:
         self.last_cache_hit_rate = 0.0
 
     def process_batch_result(
-        self: Any, batch: ScheduleBatch, result: GenerationBatchResult
+        self: Any, batch: BatchLaunch, result: GenerationBatchResult
     ) -> None:
         emit: list[Req] = []
         extend = batch.forward_mode.is_extend()
         for i, req in enumerate(batch.reqs):
+            if batch.placeholders is not None and req.pending_token == batch.placeholders[i]:
+                req.pending_token = None
+            if req.retract_count != batch.retract_counts[i]:
+                continue  # retracted after launch: this sample is dropped, resume redoes it
             if extend:
                 self._apply_input_logprobs(req, result, i, batch.prefix_lens[i])
             if req.finished():
-                continue
-            if req.to_abort is not None and req.is_chunked:
+                continue  # finished by an earlier result (overlap: this sample is extra)
+            if req.to_abort is not None and (batch.chunked[i] or req.is_chunked):
                 req.finished_reason = req.to_abort
+                if req is self.chunked_req:
+                    self.chunked_req = None
                 req.is_chunked = False
-                self.chunked_req = None
-            elif req.is_chunked:
-                self.tree_cache.cache_unfinished_req(req)
-                continue
+            elif batch.chunked[i]:
+                continue  # a non-final chunk; the next build caches it in the tree
             req.input_logprobs_done = True
             if not req.finished():
                 self._append_token(req, result, i)
             if req.finished():
                 self.tree_cache.cache_finished_req(req)
                 emit.append(req)
-            else:
-                if extend:
-                    # Put the prompt in the tree now so requests behind it can share it.
-                    self.tree_cache.cache_unfinished_req(req)
+            elif req.stream or extend:
                 # Every request reports its first token (time to first token is measured
                 # for all); after that only streaming ones report per step.
-                if req.stream or extend:
-                    emit.append(req)
+                emit.append(req)
         self.num_generated_tokens += len(batch.reqs)
         if not extend:
             self.decode_tokens_since_log += len(batch.reqs)
@@ -173,10 +173,11 @@ class SchedulerOutputMixin:
         self.decode_tic, self.decode_tokens_since_log = now, 0
         logger.info(
             "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
-            "gen throughput (token/s): %.2f, #queue-req: %d",
+            "gen throughput (token/s): %.2f, #queue-req: %d, worker idle: %.1f%%",
             len(self.running_batch.reqs),
             self.max_total_tokens - self.allocator.available_size(),
             self.token_usage(),
             throughput,
             len(self.waiting_queue),
+            100 * self.idle_tracker.fraction_since_mark(),
         )

@@ -121,6 +121,9 @@ class SchedulerServer:
             "max_running_requests": s.max_running_requests,
             "num_retracted_reqs": s.num_retracted_reqs,
             "num_aborted_reqs": s.num_aborted_reqs,
+            "overlap_schedule": s.overlap,
+            "worker_idle_s": s.idle_tracker.idle_s,
+            "worker_busy_s": s.idle_tracker.busy_s,
             "pid": os.getpid(),
             "new_token_ratio": s.new_token_ratio,
             "forward_ct": s.forward_ct,
@@ -150,6 +153,8 @@ class SchedulerServer:
                 gen_throughput=tokens / elapsed if elapsed > 0 else 0.0,
                 num_retracted_reqs=s.num_retracted_reqs,
                 max_total_tokens=s.max_total_tokens,
+                worker_idle_s=s.idle_tracker.idle_s,
+                worker_busy_s=s.idle_tracker.busy_s,
             )
         )
 

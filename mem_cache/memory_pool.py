@@ -29,6 +29,10 @@ class ReqToTokenPool:
         self.device = device
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)
         self._free_rows: list[int] = list(range(size))
+        # Overlap loop: a forward still in flight may read a row its request just gave up, so
+        # freed rows are held until the scheduler knows that forward is done (`release`).
+        self.hold_frees = False
+        self._held: list[int] = []
 
     def available_size(self) -> int:
         return len(self._free_rows)
@@ -42,13 +46,20 @@ class ReqToTokenPool:
         return rows
 
     def free(self, idx: int | list[int]) -> None:
-        if isinstance(idx, int):
-            self._free_rows.append(idx)
-        else:
-            self._free_rows.extend(idx)
+        rows = [idx] if isinstance(idx, int) else list(idx)
+        (self._held if self.hold_frees else self._free_rows).extend(rows)
+
+    def take_held(self) -> list[int]:
+        """The rows freed since the last call (they stay unavailable until `release`)."""
+        held, self._held = self._held, []
+        return held
+
+    def release(self, rows: list[int]) -> None:
+        self._free_rows.extend(rows)
 
     def clear(self) -> None:
         self._free_rows = list(range(self.size))
+        self._held = []
 
 
 class MHATokenToKVPool:

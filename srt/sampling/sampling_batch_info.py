@@ -42,7 +42,7 @@ class SamplingBatchInfo:
     top_ks: torch.Tensor  # int64 [B]; "off" (-1) is stored as vocab_size
     min_ps: torch.Tensor  # float32 [B]
     seeds: torch.Tensor  # int64 [B]; the 64-bit seed reinterpreted as signed
-    positions: torch.Tensor  # int64 [B]; len(output_ids): index of the token being sampled
+    positions: torch.Tensor  # int64 [B]; index (in the output) of the token being sampled
     greedy: torch.Tensor  # bool [B]
     sampled_rows: torch.Tensor  # int64 [S]: indices of the non-greedy rows
     is_all_greedy: bool
@@ -71,8 +71,13 @@ class SamplingBatchInfo:
         vocab_size: int,
         device: torch.device | str = "cpu",
         eos_token_ids: Sequence[int] = (),
+        output_lens: Sequence[int] | None = None,
     ) -> SamplingBatchInfo:
+        """`output_lens[i]`: output tokens request i has before this sample (default
+        `len(output_ids)`); it indexes the seeded draw and gates `min_new_tokens`."""
         params = [r.sampling_params for r in reqs]
+        if output_lens is None:
+            output_lens = [len(r.output_ids) for r in reqs]
         greedy = [p.temperature < SAMPLING_EPS or p.top_k == 1 for p in params]
         temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
         top_ks = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params]
@@ -91,7 +96,7 @@ class SamplingBatchInfo:
             top_ks=i64(top_ks),
             min_ps=f32([p.min_p for p in params]),
             seeds=i64([_as_int64(r.sampling_seed) for r in reqs]),
-            positions=i64([len(r.output_ids) for r in reqs]),
+            positions=i64(list(output_lens)),
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
             sampled_rows=i64([i for i, g in enumerate(greedy) if not g]),
             is_all_greedy=all(greedy),
@@ -101,7 +106,7 @@ class SamplingBatchInfo:
             has_penalties=False,
         )
         info._build_penalties(reqs, device)
-        info._build_min_tokens_mask(reqs, eos_token_ids, device)
+        info._build_min_tokens_mask(reqs, output_lens, eos_token_ids, device)
         return info
 
     def _build_penalties(self, reqs: Sequence[ReqLike], device: torch.device | str) -> None:
@@ -120,13 +125,17 @@ class SamplingBatchInfo:
             self.has_penalties = True
 
     def _build_min_tokens_mask(
-        self, reqs: Sequence[ReqLike], eos_token_ids: Sequence[int], device: torch.device | str
+        self,
+        reqs: Sequence[ReqLike],
+        output_lens: Sequence[int],
+        eos_token_ids: Sequence[int],
+        device: torch.device | str,
     ) -> None:
         rows: list[int] = []
         ids: list[int] = []
-        for i, r in enumerate(reqs):
+        for i, (r, n_out) in enumerate(zip(reqs, output_lens, strict=True)):
             p = r.sampling_params
-            if len(r.output_ids) >= p.min_new_tokens:
+            if n_out >= p.min_new_tokens:
                 continue
             blocked = set(eos_token_ids) | set(p.stop_token_ids or ())
             blocked = {t for t in blocked if 0 <= t < self.vocab_size}

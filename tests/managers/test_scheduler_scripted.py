@@ -17,13 +17,23 @@ from srt.server_args import ServerArgs
 from tests.managers.scripted_worker import ScriptedWorker, scripted_output
 
 
+@pytest.fixture(autouse=True, params=["overlap", "normal"])
+def event_loop_kind(request, monkeypatch) -> str:
+    """Every test runs under both event loops."""
+    monkeypatch.setitem(LOOP_ARGS, "disable_overlap_schedule", request.param == "normal")
+    return request.param
+
+
+LOOP_ARGS: dict[str, bool] = {}
+
+
 def make_driver(
     max_total_tokens: int = 4096,
     page_size: int = 1,
     max_running_requests: int = 64,
     **args,
 ) -> InProcessDriver:
-    server_args = ServerArgs(page_size=page_size, **args)
+    server_args = ServerArgs(page_size=page_size, **{**LOOP_ARGS, **args})
     worker = ScriptedWorker(max_total_tokens, max_running_requests, page_size)
     return InProcessDriver(server_args, worker=worker, tokenizer=None)
 

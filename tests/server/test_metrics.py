@@ -26,6 +26,9 @@ NAMES = [
     "vllm:num_requests_waiting",
     "vllm:num_requests_running",
     "vllm:kv_cache_usage_perc",
+    "radixrt:worker_idle_seconds_total",
+    "radixrt:worker_busy_seconds_total",
+    "radixrt:worker_idle_fraction",
 ]
 
 
@@ -84,5 +87,8 @@ def test_metrics_names_and_movement(url: str) -> None:
         - before["sglang:e2e_request_latency_seconds_count"]
         == 8
     )
+    busy = after["radixrt:worker_busy_seconds_total"] - before["radixrt:worker_busy_seconds_total"]
+    assert busy > 0
+    assert 0 <= after["radixrt:worker_idle_fraction"] < 1
     assert peak["running"] >= 1 and peak["usage"] > 0 and peak["throughput"] > 0
     assert after["vllm:num_requests_running"] == 0 and after["sglang:num_running_reqs"] == 0

@@ -1,0 +1,102 @@
+"""`OverlapWorker`: runs the model worker's forwards on a thread of their own, so the
+scheduler builds batch N+1 and post-processes batch N while forward N+1 runs.
+
+Future token ids: `launch` returns at once with one negative placeholder per request,
+`-(slot)`, naming a slot of `future_map` that the thread fills with the sampled token when
+the forward is done. The next batch may carry placeholders as input ids; the thread swaps
+them for the real tokens just before that forward (it runs forwards in order, so the slot is
+always filled by then). Results come back in launch order through a queue; a result is put
+there only once its token lists are on the host, which is the copy-done point (on a GPU the
+`.tolist()` in the worker waits for the forward's stream).
+
+The thread also measures how long it sat waiting for the scheduler between two forwards.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from managers.schedule_batch import ModelWorkerBatch
+from managers.scheduler_output import GenerationBatchResult
+
+# Placeholders name a ring of slots; a batch's slots are reused only many batches later.
+FUTURE_MAP_BATCHES = 8
+
+
+@dataclass(slots=True)
+class LaunchedForward:
+    result: GenerationBatchResult | None = None
+    error: BaseException | None = None
+    wait_s: float = 0.0  # the thread idled this long before starting this forward
+    forward_s: float = 0.0
+
+
+class OverlapWorker:
+    def __init__(self, worker: Any, max_batch_size: int) -> None:
+        self.worker = worker
+        self.model_config = worker.model_config
+        self.size = FUTURE_MAP_BATCHES * (max_batch_size + 1) + 1
+        self.future_map = torch.zeros(self.size, dtype=torch.int64)
+        self.next_slot = 1  # slot 0 is never named: -0 is not a placeholder
+        self.inputs: queue.Queue[tuple[ModelWorkerBatch, int] | None] = queue.Queue()
+        self.outputs: queue.Queue[LaunchedForward] = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="radixrt-forward", daemon=True)
+        self.thread.start()
+
+    def get_memory_pool(self) -> Any:
+        return self.worker.get_memory_pool()
+
+    # ---- scheduler side ------------------------------------------------------------
+    def launch(self, mwb: ModelWorkerBatch) -> list[int]:
+        """Queue a forward; return its future token ids (one placeholder per request)."""
+        n = len(mwb.seq_lens_cpu)
+        if self.next_slot + n > self.size:
+            self.next_slot = 1
+        first = self.next_slot
+        self.next_slot += n
+        self.inputs.put((mwb, first))
+        return list(range(-first, -first - n, -1))
+
+    def wait_result(self) -> LaunchedForward:
+        """The oldest launched forward's result (blocks until it is done)."""
+        done = self.outputs.get()
+        if done.error is not None:
+            raise RuntimeError("the model worker failed") from done.error
+        return done
+
+    def stop(self) -> None:
+        self.inputs.put(None)
+
+    # ---- forward thread ------------------------------------------------------------
+    def _run(self) -> None:
+        last_end = time.perf_counter()
+        while True:
+            item = self.inputs.get()
+            if item is None:
+                return
+            mwb, first = item
+            start = time.perf_counter()
+            done = LaunchedForward(wait_s=start - last_end)
+            try:
+                self._resolve_placeholders(mwb)
+                result = self.worker.forward_batch_generation(mwb)
+                ids = torch.tensor(result.next_token_ids, dtype=torch.int64)
+                self.future_map[first : first + len(ids)] = ids
+                done.result = result
+            except BaseException as e:  # noqa: BLE001 - handed to the scheduler thread
+                done.error = e
+            last_end = time.perf_counter()
+            done.forward_s = last_end - start
+            self.outputs.put(done)
+
+    def _resolve_placeholders(self, mwb: ModelWorkerBatch) -> None:
+        ids = mwb.input_ids
+        future = ids < 0
+        if bool(future.any()):
+            ids[future] = self.future_map[-ids[future]]
