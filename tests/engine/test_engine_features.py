@@ -22,7 +22,18 @@ def llama_path(tmp_path_factory) -> str:
     return str(save_tiny_model("llama", tmp_path_factory.mktemp("llama")))
 
 
+@pytest.fixture(autouse=True, params=["overlap", "normal"])
+def event_loop_kind(request, monkeypatch) -> str:
+    """Every feature test runs under both event loops."""
+    monkeypatch.setitem(LOOP_ARGS, "disable_overlap_schedule", request.param == "normal")
+    return request.param
+
+
+LOOP_ARGS: dict[str, bool] = {}
+
+
 def driver_for(path: str, **args) -> InProcessDriver:
+    args = {**LOOP_ARGS, **args}
     args.setdefault("max_total_tokens", 8192)
     return InProcessDriver(
         ServerArgs(model_path=path, dtype="float32", skip_tokenizer_init=True, **args)

@@ -1,0 +1,69 @@
+"""The overlap loop produces exactly the normal loop's greedy tokens, with the default model:
+on W1 (the engine-core offline workload) and on a scaled-down W2 (shared system prompts,
+requests arriving while others run, as with bench_serving's --max-concurrency)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from bench.bench_offline import w1_prompts
+from managers.inprocess import InProcessDriver
+from srt.server_args import ServerArgs
+
+pytestmark = pytest.mark.slow
+
+
+def driver(overlap: bool, **args) -> InProcessDriver:
+    return InProcessDriver(
+        ServerArgs(dtype="bfloat16", disable_overlap_schedule=not overlap, **args)
+    )
+
+
+def run_w1(overlap: bool) -> list[list[int]]:
+    d = driver(overlap)
+    prompts = w1_prompts(64, 64, 512, d.scheduler.vocab_size, seed=0)
+    outs = d.generate(prompts, {"max_new_tokens": 128, "ignore_eos": True, "temperature": 0})
+    d.scheduler.check_memory()
+    return [o["output_ids"] for o in outs]
+
+
+def test_w1_same_tokens_with_and_without_overlap() -> None:
+    assert run_w1(overlap=True) == run_w1(overlap=False)
+
+
+def gsp_prompts(vocab: int, groups: int = 4, per_group: int = 4, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(groups):
+        system = [rng.randrange(vocab) for _ in range(128)]
+        prompts += [system + [rng.randrange(vocab) for _ in range(16)] for _ in range(per_group)]
+    rng.shuffle(prompts)
+    return prompts
+
+
+def run_w2_small(overlap: bool, concurrency: int = 6) -> list[list[int]]:
+    """Keep `concurrency` requests in flight; a new one arrives when one finishes."""
+    d = driver(overlap, max_total_tokens=16384)
+    prompts = gsp_prompts(d.scheduler.vocab_size)
+    params = {"max_new_tokens": 16, "ignore_eos": True, "temperature": 0}
+    queue = list(enumerate(prompts))
+    live: dict[str, int] = {}
+    outs: dict[int, list[int]] = {}
+    while queue or live:
+        while queue and len(live) < concurrency:
+            i, p = queue.pop(0)
+            [rid] = d.submit(p, dict(params))
+            live[rid] = i
+        d.step()
+        for rid in [r for r in live if d.outputs[r]["meta_info"].get("finish_reason")]:
+            outs[live.pop(rid)] = d.result(rid)["output_ids"]
+    d.run_until_idle()
+    d.scheduler.check_memory()
+    assert d.scheduler.tree_cache.evictable_size() > 0
+    return [outs[i] for i in range(len(prompts))]
+
+
+def test_w2_small_same_tokens_with_and_without_overlap() -> None:
+    assert run_w2_small(overlap=True) == run_w2_small(overlap=False)
