@@ -6,6 +6,10 @@ through HF transformers `generate` (batches of 16, left padding) for reference.
 
     python -m bench.bench_offline --dtype bfloat16
     python -m bench.bench_offline --dtype float32 --hf
+    python -m bench.bench_offline --dtype bfloat16 --max-running-requests 8 --compare-overlap 3
+
+`--compare-overlap N` loads the model twice (overlap loop on / off), runs W1 N times on each,
+alternating so drift hits both alike, and prints the per-run numbers and the median ratio.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import argparse
 import json
 import logging
 import random
+import statistics
 import time
 
 import torch
@@ -32,18 +37,25 @@ def w1_prompts(
     ]
 
 
-def run_radixrt(args: argparse.Namespace) -> dict:
-    """W1 through the in-process driver; with --profile, print where the time goes."""
+def make_driver(args: argparse.Namespace, overlap: bool) -> InProcessDriver:
     server_args = ServerArgs(
         model_path=args.model_path,
         dtype=args.dtype,
         load_format=args.load_format,
         max_total_tokens=args.max_total_tokens,
+        max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size,
         max_prefill_tokens=args.max_prefill_tokens,
         disable_radix_cache=args.disable_radix_cache,
+        disable_overlap_schedule=not overlap,
     )
-    driver = InProcessDriver(server_args)
+    return InProcessDriver(server_args)
+
+
+def run_radixrt(args: argparse.Namespace, driver: InProcessDriver | None = None) -> dict:
+    """W1 through the in-process driver; with --profile, print where the time goes."""
+    if driver is None:
+        driver = make_driver(args, overlap=not args.disable_overlap_schedule)
     vocab = driver.scheduler.vocab_size
     prompts = w1_prompts(args.num_prompts, args.min_len, args.max_len, vocab, args.seed)
     params = {"max_new_tokens": args.output_len, "ignore_eos": True, "temperature": 0}
@@ -64,8 +76,11 @@ def run_radixrt(args: argparse.Namespace) -> dict:
         print(json.dumps(time_split(profiler, elapsed)))
     n_out = sum(len(o["output_ids"]) for o in outs)
     n_in = sum(len(p) for p in prompts)
+    idle = driver.scheduler.idle_tracker
     return {
         "engine": "radixrt",
+        "overlap": driver.scheduler.overlap,
+        "max_running_requests": driver.scheduler.max_running_requests,
         "dtype": str(driver.worker.model_config.dtype).removeprefix("torch."),
         "num_prompts": len(prompts),
         "input_tokens": n_in,
@@ -73,7 +88,30 @@ def run_radixrt(args: argparse.Namespace) -> dict:
         "seconds": round(elapsed, 2),
         "output_tok_per_s": round(n_out / elapsed, 1),
         "total_tok_per_s": round((n_in + n_out) / elapsed, 1),
+        "worker_idle_fraction": round(idle.idle_s / max(idle.idle_s + idle.busy_s, 1e-9), 4),
     }
+
+
+def compare_overlap(args: argparse.Namespace) -> list[dict]:
+    """Alternate overlap on / off runs of W1; print each and the median throughput ratio."""
+    drivers = {on: make_driver(args, overlap=on) for on in (True, False)}
+    runs: dict[bool, list[dict]] = {True: [], False: []}
+    for _ in range(args.compare_overlap):
+        for on in (False, True):
+            result = run_radixrt(args, drivers[on])
+            runs[on].append(result)
+            print(json.dumps(result), flush=True)
+
+    def median(on: bool) -> float:
+        return statistics.median(r["output_tok_per_s"] for r in runs[on])
+
+    summary = {
+        "overlap_on_median_tok_per_s": median(True),
+        "overlap_off_median_tok_per_s": median(False),
+        "ratio_on_over_off": round(median(True) / median(False), 3),
+    }
+    print(json.dumps(summary))
+    return runs[True] + runs[False]
 
 
 def run_hf(args: argparse.Namespace) -> dict:
@@ -152,12 +190,20 @@ def main() -> None:
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
     p.add_argument("--max-prefill-tokens", type=int, default=16384)
     p.add_argument("--disable-radix-cache", action="store_true")
+    p.add_argument("--disable-overlap-schedule", action="store_true")
+    p.add_argument("--max-running-requests", type=int, default=None)
+    p.add_argument(
+        "--compare-overlap", type=int, default=0, metavar="N", help="A/B the two loops, N runs"
+    )
     p.add_argument("--hf", action="store_true", help="also run HF transformers generate")
     p.add_argument("--hf-only", action="store_true")
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--profile", action="store_true", help="profile the run; print the time split")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.compare_overlap:
+        compare_overlap(args)
+        return
     results = []
     if not args.hf_only:
         results.append(run_radixrt(args))
