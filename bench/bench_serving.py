@@ -144,7 +144,9 @@ async def benchmark(
         duration = time.perf_counter() - start
         pbar.close()
     config = {"backend": backend, "request_rate": request_rate, "max_concurrency": max_concurrency}
-    return {**config, **summarize(results, duration)}
+    # Per-request TTFTs (successful requests), for distribution plots such as bench/ab.py's.
+    ttfts = {"ttfts_s": [r.ttft for r in results if r.success]}
+    return {**config, **summarize(results, duration), **ttfts}
 
 
 SUMMARY_ROWS = [
