@@ -75,6 +75,10 @@ class OverlapWorker:
 
     # ---- forward thread ------------------------------------------------------------
     def _run(self) -> None:
+        device = torch.device(getattr(self.worker, "device", "cpu"))
+        if device.type == "cuda":
+            # Forwards go on a stream of their own, off the scheduler's default stream.
+            torch.cuda.set_stream(torch.cuda.Stream(device))
         last_end = time.perf_counter()
         while True:
             item = self.inputs.get()
