@@ -53,7 +53,7 @@ class SchedulerOutputMixin:
                 self._apply_input_logprobs(req, result, i, batch.prefix_lens[i])
             if req.finished():
                 continue  # finished by an earlier result (overlap: this sample is extra)
-            if req.to_abort is not None and (batch.chunked[i] or req.is_chunked):
+            if req.to_abort is not None and batch.chunked[i]:
                 req.finished_reason = req.to_abort
                 if req is self.chunked_req:
                     self.chunked_req = None
