@@ -24,6 +24,7 @@ import torch
 from managers.io_struct import DecodeOptions
 
 if TYPE_CHECKING:
+    from constrained.base_grammar_backend import BaseGrammarObject
     from mem_cache.base_prefix_cache import BasePrefixCache
     from srt.sampling.sampling_params import SamplingParams
 
@@ -91,6 +92,8 @@ class Req:
         self.output_ids: list[int] = []
         # Overlap loop: the future token id of a launched, not yet processed sample.
         self.pending_token: int | None = None
+        # Constrained decoding: the request's matcher, set once its grammar has compiled.
+        self.grammar: BaseGrammarObject | None = None
         self._decode_options: DecodeOptions | None = None
 
         # Tokens that will have KV after the next extend (prompt + output so far, or a chunk).
@@ -144,10 +147,13 @@ class Req:
 
     def needs_sync(self) -> bool:
         """Whether building this request's next batch needs its latest token on the host
-        (penalties count output tokens)."""
+        (penalties count output tokens; a grammar's mask depends on them)."""
         p = self.sampling_params
         return (
-            p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0
+            self.grammar is not None
+            or p.frequency_penalty != 0.0
+            or p.presence_penalty != 0.0
+            or p.repetition_penalty != 1.0
         )
 
     def decode_options(self) -> DecodeOptions:

@@ -13,11 +13,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from constrained.base_grammar_backend import VocabMask
 from managers.req import Req
 from srt.model_executor.forward_batch import ForwardMode
 from srt.sampling.sampling_batch_info import SamplingBatchInfo
 
 if TYPE_CHECKING:
+    from constrained.base_grammar_backend import BaseGrammarBackend
     from mem_cache.allocator import TokenToKVPoolAllocator
     from mem_cache.base_prefix_cache import BasePrefixCache
     from mem_cache.memory_pool import ReqToTokenPool
@@ -72,8 +74,10 @@ class ScheduleBatch:
         vocab_size: int,
         eos_token_ids: list[int],
         page_size: int = 1,
+        grammar_backend: BaseGrammarBackend | None = None,
     ) -> None:
         self.reqs = reqs
+        self.grammar_backend = grammar_backend
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.tree_cache = tree_cache
@@ -228,6 +232,9 @@ class ScheduleBatch:
             sample_rows.append(len(logits_rows) - 1)
             token_offset += s - p
         extend = self.forward_mode.is_extend()
+        vocab_mask = None
+        if self.grammar_backend is not None and any(r.grammar for r in self.reqs):
+            vocab_mask = VocabMask(self.grammar_backend, [r.grammar for r in self.reqs])
         return ModelWorkerBatch(
             forward_mode=self.forward_mode,
             input_ids=torch.tensor(self.input_ids, dtype=torch.int64),
@@ -251,6 +258,7 @@ class ScheduleBatch:
                     max(s - len(r.origin_input_ids), 0)
                     for r, s in zip(self.reqs, self.seq_lens, strict=True)
                 ],
+                vocab_mask=vocab_mask,
             ),
             return_logprob=any(r.return_logprob for r in self.reqs),
             top_logprobs_nums=[r.top_logprobs_num if r.return_logprob else 0 for r in self.reqs],

@@ -23,6 +23,9 @@ from typing import Any
 
 from torch.profiler import record_function
 
+from constrained import create_grammar_backend
+from constrained.base_grammar_backend import grammar_key
+from managers.grammar_queue import GrammarQueue
 from managers.io_struct import AbortReq, BatchTokenIDOut, FlushCacheReq, TokenizedGenerateReqInput
 from managers.req import Req, finish_abort
 from managers.schedule_batch import ScheduleBatch
@@ -72,6 +75,10 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
                 eviction_policy=server_args.radix_eviction_policy,
             )
         self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, self.page_size)
+        self.grammar_backend = create_grammar_backend(
+            server_args.grammar_backend, tokenizer, self.vocab_size, self.eos_token_ids
+        )
+        self.grammar_queue = GrammarQueue(server_args.grammar_compile_timeout)
         self.waiting_queue: list[Req] = []
         self.running_batch = self._new_batch([])
         self.chunked_req: Req | None = None
@@ -105,6 +112,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
             self.vocab_size,
             self.eos_token_ids,
             self.page_size,
+            self.grammar_backend,
         )
 
     # ---- messages ------------------------------------------------------------------
@@ -138,7 +146,16 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
             req.finished_reason = finish_abort(error, status_code=400)
             self.emit([req])
             return
-        self.waiting_queue.append(req)
+        key = grammar_key(params)
+        if key is None:
+            self.waiting_queue.append(req)
+        elif self.grammar_backend is None:
+            req.finished_reason = finish_abort(
+                "Constrained decoding needs a tokenizer and a grammar backend.", status_code=400
+            )
+            self.emit([req])
+        else:
+            self.grammar_queue.add(req, self.grammar_backend.compile_async(key))
 
     def _validate(self, req: Req) -> str | None:
         n = len(req.origin_input_ids)
@@ -162,6 +179,10 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
         def hit(r: Req) -> bool:
             return msg.abort_all or r.rid == msg.rid
 
+        for req in self.grammar_queue.remove_if(hit):
+            req.finished_reason = finish_abort("Aborted by request.")
+            self.num_aborted_reqs += 1
+            self.emit([req])
         for req in [r for r in self.waiting_queue if hit(r)]:
             self.waiting_queue.remove(req)
             req.finished_reason = finish_abort("Aborted by request.")
@@ -197,6 +218,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
             and self.chunked_req is None
             and self.last_batch is None
             and self.pending is None
+            and not self.grammar_queue
         )
 
     def step(self) -> bool:
@@ -249,6 +271,13 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
             self.memory_check = {"ok": True, "error": None, "time": time.time()}
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        if self.grammar_queue:
+            nothing_else = not self.waiting_queue and self.running_batch.is_empty()
+            ready, failed = self.grammar_queue.pop_done(
+                self.grammar_backend.new_matcher, block=nothing_else and not self.last_batch
+            )
+            self.waiting_queue.extend(ready)
+            self.emit(failed)
         last = self.last_batch
         if last is not None and last.forward_mode.is_extend():
             last.filter_batch()

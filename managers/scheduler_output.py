@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from managers.io_struct import BatchTokenIDOut
-from managers.req import Req, finish_length
+from managers.req import Req, finish_abort, finish_length, finish_matched
 
 if TYPE_CHECKING:
     from managers.schedule_batch import BatchLaunch, ScheduleBatch
@@ -39,9 +39,7 @@ class SchedulerOutputMixin:
         self.num_generated_tokens = 0  # cumulative, for the throughput metric
         self.last_cache_hit_rate = 0.0
 
-    def process_batch_result(
-        self: Any, batch: BatchLaunch, result: GenerationBatchResult
-    ) -> None:
+    def process_batch_result(self: Any, batch: BatchLaunch, result: GenerationBatchResult) -> None:
         emit: list[Req] = []
         extend = batch.forward_mode.is_extend()
         for i, req in enumerate(batch.reqs):
@@ -88,7 +86,22 @@ class SchedulerOutputMixin:
             req.output_token_logprobs.append((result.next_token_logprobs[i], token))
             if req.top_logprobs_num and result.next_top_logprobs is not None:
                 req.output_top_logprobs.append(result.next_top_logprobs[i])
-        req.check_finished(self.context_len, self._tail_text)
+        if req.grammar is None or self._advance_grammar(req, token):
+            req.check_finished(self.context_len, self._tail_text)
+
+    def _advance_grammar(self: Any, req: Req, token: int) -> bool:
+        """Accept `token` into the request's matcher; finish the request when the grammar is
+        complete. Returns False when the request was finished here."""
+        if not req.grammar.accept_token(token):
+            # The mask allowed only grammar tokens, so this means a backend bug; never
+            # produce invalid output silently.
+            req.finished_reason = finish_abort(f"Token {token} violates the request's grammar.")
+            logger.error("Request %s: token %d rejected by its grammar.", req.rid, token)
+            return False
+        if req.grammar.is_terminated():
+            req.finished_reason = finish_matched(token)
+            return False
+        return True
 
     def _apply_input_logprobs(
         self: Any, req: Req, result: GenerationBatchResult, i: int, prefix_len: int

@@ -209,6 +209,7 @@ class TokenizerManager:
         request: Any,
     ) -> AsyncIterator[dict[str, Any]]:
         pending = len(states)
+        sent = False
         while pending:
             try:
                 state = await asyncio.wait_for(ready.get(), DISCONNECT_POLL_S)
@@ -220,12 +221,13 @@ class TokenizerManager:
             state.queued = False
             if state.finished:
                 pending -= 1
-            if stream:
-                yield state.snapshot()
-            elif state.finished:
                 reason = state.finish_reason or {}
-                if reason.get("type") == "abort" and reason.get("status_code"):
+                # Refused before anything was sent (bad input, invalid grammar): an error,
+                # so HTTP answers 4xx instead of starting a stream.
+                if reason.get("type") == "abort" and reason.get("status_code") and not sent:
                     raise RequestError(reason["message"], status_code=reason["status_code"])
+            if stream or state.finished:
+                sent = True
                 yield state.snapshot()
 
     def tokenize_and_validate(self, obj: GenerateReqInput) -> tuple[list[int], SamplingParams]:

@@ -62,6 +62,11 @@ class ServerArgs:
     radix_eviction_policy: str = _opt("lru", "eviction order of the radix cache", ["lru", "lfu"])
     enable_mixed_chunk: bool = _opt(False, "run decodes together with a prefill chunk")
     disable_overlap_schedule: bool = _opt(False, "use the normal (non-overlap) event loop")
+    # Constrained decoding
+    grammar_backend: str = _opt("xgrammar", "grammar backend", ["xgrammar", "none"])
+    grammar_compile_timeout: float = _opt(
+        60.0, "seconds a request waits for its grammar to compile before it fails"
+    )
     # Backends
     attention_backend: str = _opt(
         "auto",

@@ -25,6 +25,10 @@ import torch
 from srt.sampling.sampling_params import SAMPLING_EPS, SamplingParams
 
 
+class VocabMaskLike(Protocol):
+    def apply(self, logits: torch.Tensor) -> None: ...
+
+
 class ReqLike(Protocol):
     """What sampling needs from the scheduler's Req."""
 
@@ -59,6 +63,8 @@ class SamplingBatchInfo:
     # min_new_tokens: logits[min_tokens_rows[i], min_tokens_ids[i]] = -inf.
     min_tokens_rows: torch.Tensor | None = None  # int64 [M]
     min_tokens_ids: torch.Tensor | None = None  # int64 [M]
+    # Constrained decoding: masks the disallowed tokens of the constrained rows, in place.
+    vocab_mask: VocabMaskLike | None = None
 
     @property
     def batch_size(self) -> int:
@@ -72,6 +78,7 @@ class SamplingBatchInfo:
         device: torch.device | str = "cpu",
         eos_token_ids: Sequence[int] = (),
         output_lens: Sequence[int] | None = None,
+        vocab_mask: VocabMaskLike | None = None,
     ) -> SamplingBatchInfo:
         """`output_lens[i]`: output tokens request i has before this sample (default
         `len(output_ids)`); it indexes the seeded draw and gates `min_new_tokens`."""
@@ -104,6 +111,7 @@ class SamplingBatchInfo:
             need_top_k_sampling=any(k < vocab_size for _, k in sampled),
             need_min_p_sampling=any(p.min_p > 0.0 for p, _ in sampled),
             has_penalties=False,
+            vocab_mask=vocab_mask,
         )
         info._build_penalties(reqs, device)
         info._build_min_tokens_mask(reqs, output_lens, eos_token_ids, device)
@@ -146,7 +154,7 @@ class SamplingBatchInfo:
             self.min_tokens_ids = torch.tensor(ids, dtype=torch.int64, device=device)
 
     def apply_logits_processing(self, logits: torch.Tensor) -> torch.Tensor:
-        """Penalties and min-token masks. Returns a new tensor when anything applies, else
+        """Penalties, min-token masks and grammar masks. Returns a new tensor when anything applies, else
         `logits` itself; the caller's tensor is never modified."""
         fresh = False  # whether `logits` is already our own tensor
         if self.repetition_penalties is not None and self.seen_mask is not None:
@@ -163,7 +171,11 @@ class SamplingBatchInfo:
             fresh = True
         if self.min_tokens_rows is not None and self.min_tokens_ids is not None:
             logits = logits if fresh else logits.clone()
+            fresh = True
             logits[self.min_tokens_rows, self.min_tokens_ids] = float("-inf")
+        if self.vocab_mask is not None:
+            logits = logits if fresh else logits.clone()
+            self.vocab_mask.apply(logits)
         return logits
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import openai
 
 from tests.entrypoints.fake_tokenizer_manager import FakeTokenizerManager
@@ -118,6 +120,18 @@ def test_chat_stream_openai_client(client: openai.OpenAI, tm: FakeTokenizerManag
     assert "".join(tokens) == text and len(tokens) == 4
     assert chunks[-1].choices[0].finish_reason == "length"
     assert chunks[-1].usage is None and tm.closed_early == []
+
+
+def test_response_format_json_becomes_a_schema(base_url: str, tm: FakeTokenizerManager) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    formats = [
+        ({"type": "json_object"}, {"type": "object"}),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}, schema),
+    ]
+    for fmt, expected in formats:
+        body = {"messages": MESSAGES, "max_tokens": 1, "response_format": fmt}
+        assert post(f"{base_url}/v1/chat/completions", body).status_code == 200
+        assert json.loads(tm.received[-1].sampling_params["json_schema"]) == expected
 
 
 def test_response_format_text_is_accepted(base_url: str, tm: FakeTokenizerManager) -> None:

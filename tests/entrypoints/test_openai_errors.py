@@ -62,7 +62,8 @@ MALFORMED: list[tuple[str, dict[str, Any] | bytes, str | None]] = [
     (COMPLETIONS, {"prompt": "x", "max_tokens": "lots"}, "max_tokens"),
     (COMPLETIONS, {"prompt": "x", "stream": "sometimes"}, "stream"),
     (COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": "maybe"}}, "stream_options"),
-    (CHAT, {"messages": MSGS, "response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT, {"messages": MSGS, "response_format": {"type": "xml"}}, "response_format"),
+    (CHAT, {"messages": MSGS, "response_format": {"type": "json_schema"}}, "response_format"),
     (CHAT, {"messages": MSGS, "response_format": "json"}, "response_format"),
     (CHAT, {"messages": MSGS, "top_k": -2}, "top_k"),
 ]

@@ -25,7 +25,7 @@ class StreamOptions(_Lenient):
 
 
 class ResponseFormat(_Lenient):
-    """Only `{"type": "text"}` is served; structured output will map the others."""
+    """`text`, `json_object` (any JSON object), or `json_schema` with `{"schema": {...}}`."""
 
     type: str
     json_schema: dict[str, Any] | None = None

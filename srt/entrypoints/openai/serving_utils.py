@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncGenerator
@@ -60,10 +61,26 @@ def check_model(tm: TokenizerManagerLike, model: str | None) -> None:
 
 
 def apply_response_format(fmt: ResponseFormat | None, params: dict[str, Any]) -> None:
-    """The one place `response_format` becomes sampling params (structured output: later)."""
+    """The one place `response_format` becomes sampling params (a JSON-schema grammar)."""
     if fmt is None or fmt.type == "text":
         return
-    raise RequestError("response_format is not supported yet", "response_format")
+    if fmt.type == "json_object":
+        params["json_schema"] = json.dumps({"type": "object"})
+        return
+    if fmt.type == "json_schema":
+        spec = fmt.json_schema or {}
+        schema = spec.get("schema", spec.get("schema_"))
+        if not isinstance(schema, dict):
+            raise RequestError(
+                "response_format.json_schema.schema must be a JSON schema object",
+                "response_format",
+            )
+        params["json_schema"] = json.dumps(schema)
+        return
+    raise RequestError(
+        f"response_format type {fmt.type!r} is not supported; use text, json_object or json_schema",
+        "response_format",
+    )
 
 
 def sampling_params(req: SamplingRequest, max_new_tokens: int | None) -> dict[str, Any]:

@@ -1,0 +1,77 @@
+"""Requests whose grammar is still compiling. Compiles run on the grammar backend's thread;
+the scheduler polls this queue once per step and moves requests on when their grammar is
+ready (or finishes them with a 400 when it is invalid or too slow), so other requests keep
+running meanwhile."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
+from typing import Any
+
+from constrained.base_grammar_backend import GrammarError
+from managers.req import Req, finish_abort
+
+# With nothing else to run, wait this long for a compile instead of spinning.
+IDLE_WAIT_S = 0.005
+
+
+@dataclass(slots=True)
+class _Entry:
+    req: Req
+    future: Future[Any]
+    deadline: float
+
+
+class GrammarQueue:
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.entries: list[_Entry] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def add(self, req: Req, future: Future[Any]) -> None:
+        self.entries.append(_Entry(req, future, time.monotonic() + self.timeout_s))
+
+    def remove_if(self, pred: Callable[[Req], bool]) -> list[Req]:
+        gone = [e.req for e in self.entries if pred(e.req)]
+        self.entries = [e for e in self.entries if not pred(e.req)]
+        return gone
+
+    def pop_done(
+        self, new_matcher: Callable[[Any], Any], block: bool
+    ) -> tuple[list[Req], list[Req]]:
+        """(requests whose grammar is ready, now holding a matcher; requests finished with an
+        error: invalid grammar or compile timeout)."""
+        if block:
+            wait([e.future for e in self.entries], IDLE_WAIT_S, FIRST_COMPLETED)
+        now = time.monotonic()
+        ready: list[Req] = []
+        failed: list[Req] = []
+        keep: list[_Entry] = []
+        for e in self.entries:
+            if e.future.done():
+                try:
+                    e.req.grammar = new_matcher(e.future.result())
+                    ready.append(e.req)
+                except GrammarError as err:
+                    e.req.finished_reason = finish_abort(f"Invalid grammar: {err}", 400)
+                    failed.append(e.req)
+                except Exception as err:  # noqa: BLE001 - one bad grammar must not stop the server
+                    e.req.finished_reason = finish_abort(f"Grammar compilation failed: {err}", 400)
+                    failed.append(e.req)
+            elif now > e.deadline:
+                e.req.finished_reason = finish_abort(
+                    f"Grammar compilation did not finish within {self.timeout_s:g} s.", 400
+                )
+                failed.append(e.req)
+            else:
+                keep.append(e)
+        self.entries = keep
+        return ready, failed
