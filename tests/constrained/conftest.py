@@ -1,0 +1,15 @@
+"""One bf16 driver with the default model for the whole folder: loading it costs seconds, so
+the tests share it and batch their requests into few `generate` calls."""
+
+from __future__ import annotations
+
+import pytest
+
+from managers.inprocess import InProcessDriver
+from tests.constrained.helpers import make_driver
+
+
+@pytest.fixture(scope="package")
+def bf16() -> InProcessDriver:
+    """The default configuration: bfloat16, overlap loop."""
+    return make_driver()
