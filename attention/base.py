@@ -4,6 +4,13 @@
 index tensor the run step needs in `forward_batch.attn_metadata`. `forward_extend` /
 `forward_decode` (run) are called by each `RadixAttention` layer; they must not make host
 decisions or synchronise with the device, so that a decode step can be captured in a graph.
+
+CUDA-graph decode (`srt/model_executor/cuda_graph_runner.py`) needs three more hooks, which a
+backend implements when it sets `supports_cuda_graph`: `init_cuda_graph_state(max_bs)`
+allocates the persistent index buffers once; `init_forward_metadata_capture_cuda_graph`
+plans a padded decode batch whose metadata lives in those buffers (before capture); and
+`init_forward_metadata_replay_cuda_graph` re-plans the same batch size with new values in
+the same buffers (before each replay).
 """
 
 from __future__ import annotations
@@ -20,6 +27,17 @@ if TYPE_CHECKING:
 
 class AttentionBackend(ABC):
     """Base class of every attention backend (torch_native, flashinfer, ...)."""
+
+    supports_cuda_graph: bool = False
+
+    def init_cuda_graph_state(self, max_bs: int, max_pages_per_req: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     @abstractmethod
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:

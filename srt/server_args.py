@@ -62,6 +62,17 @@ class ServerArgs:
     radix_eviction_policy: str = _opt("lru", "eviction order of the radix cache", ["lru", "lfu"])
     enable_mixed_chunk: bool = _opt(False, "run decodes together with a prefill chunk")
     disable_overlap_schedule: bool = _opt(False, "use the normal (non-overlap) event loop")
+    # Prefill/decode disaggregation
+    disaggregation_mode: str = _opt(
+        "null", "serve as a prefill or decode server of a PD pair", ["null", "prefill", "decode"]
+    )
+    disaggregation_transfer_backend: str = _opt(
+        "mooncake", "how KV moves between the servers", ["mooncake", "nixl", "loopback"]
+    )
+    disaggregation_bootstrap_port: int = _opt(8998, "prefill side: the bootstrap port")
+    disaggregation_timeout: float = _opt(
+        30.0, "seconds a disaggregated request may wait for its peer before it fails"
+    )
     # Constrained decoding
     grammar_backend: str = _opt("xgrammar", "grammar backend", ["xgrammar", "none"])
     grammar_compile_timeout: float = _opt(
@@ -70,8 +81,19 @@ class ServerArgs:
     # Backends
     attention_backend: str = _opt(
         "auto",
-        "attention kernels (auto: torch_native until a GPU backend lands)",
-        ["auto", "torch_native"],
+        "attention kernels (auto: flashinfer on CUDA with fp16/bf16 when installed, "
+        "else torch_native)",
+        ["auto", "torch_native", "flashinfer"],
+    )
+    disable_cuda_graph: bool = _opt(False, "run decode eagerly instead of replaying CUDA graphs")
+    cuda_graph_max_bs: int = _opt(
+        160, "largest decode batch captured in a CUDA graph (1, 2, 4, 8, then every 8)"
+    )
+    sampling_backend: str = _opt(
+        "seeded",
+        "seeded: per-request reproducible sampler (default); flashinfer: its top-k/top-p "
+        "kernels on CUDA when installed (not reproducible per request)",
+        ["seeded", "flashinfer"],
     )
     # Observability
     log_level: str = _opt("info", "logging level", ["debug", "info", "warning", "error"])

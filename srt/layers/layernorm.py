@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from srt.layers import fused_kernels
+
 
 def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS-normalise the last dim in float32, cast back, then scale by `weight`."""
@@ -18,8 +20,10 @@ def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 class RMSNorm(nn.Module):
     """`forward(x)` -> normed x; `forward(x, residual)` -> (normed(x + residual), x + residual).
 
-    The native path is the numerical reference. `forward_impl` is the single place a fused
-    device kernel (e.g. sgl-kernel's fused_add_rmsnorm) plugs in later.
+    The native path is the numerical reference and the CPU path. On CUDA with sgl-kernel
+    installed, `rmsnorm` / `fused_add_rmsnorm` run instead; the fused add works in place:
+    afterwards `x` holds the normed output and `residual` the sum (when they are
+    contiguous), which is what the decoder layers want.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -35,10 +39,25 @@ class RMSNorm(nn.Module):
     def forward_impl(
         self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if fused_kernels.use_fused(x):
+            return self._forward_fused(x, residual)
         if residual is None:
             return rms_norm_native(x, self.weight, self.variance_epsilon)
         summed = x + residual
         return rms_norm_native(summed, self.weight, self.variance_epsilon), summed
+
+    def _forward_fused(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        ops = fused_kernels.sgl_kernel()
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1]).contiguous()  # the kernels take [tokens, hidden]
+        weight = self.weight.data
+        if residual is None:
+            return ops.rmsnorm(rows, weight, self.variance_epsilon).view(shape)
+        res_rows = residual.reshape(-1, shape[-1]).contiguous()
+        ops.fused_add_rmsnorm(rows, res_rows, weight, self.variance_epsilon)
+        return rows.view(shape), res_rows.view(shape)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.variance_epsilon}"

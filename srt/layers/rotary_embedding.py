@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from srt.layers import fused_kernels
+
 
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to q and k from a cache row per position: [cos(rot/2) | sin(rot/2)]."""
@@ -48,7 +50,16 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; q [T, H*D] or [T, H, D]; k likewise -> rotated (q, k), same shapes."""
+        """positions [T]; q [T, H*D] or [T, H, D]; k likewise -> rotated (q, k), same shapes.
+
+        On CUDA with sgl-kernel installed, q and k are rotated in place by its fused kernel
+        (float32 math over the same cos/sin cache) and returned.
+        """
+        if fused_kernels.use_fused(q):
+            fused_kernels.sgl_kernel().apply_rope_with_cos_sin_cache_inplace(
+                positions, q, k, self.head_dim, self.cos_sin_cache, self.is_neox_style
+            )
+            return q, k
         cos, sin = self._cos_sin(positions, q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
@@ -60,7 +71,12 @@ class RotaryEmbedding(nn.Module):
         Every layer of one forward shares this module and the same positions tensor, so the
         lookup runs once per forward, not per layer. The key is the tensor object plus its
         version counter, so a buffer updated in place (e.g. for CUDA-graph replay) misses.
+        Inference-mode tensors (e.g. positions copied to a GPU inside the worker's
+        inference_mode) have no version counter: those are looked up every time.
         """
+        if positions.is_inference():
+            cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
+            return cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype)
         key = (positions, positions._version, dtype)
         cached = self._cached_key
         if cached is not None and cached[0] is positions and cached[1:] == key[1:]:

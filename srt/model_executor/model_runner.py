@@ -1,71 +1,57 @@
-"""`ModelRunner`: the model, its KV pools, the attention backend and the sampler.
+"""`ModelRunner`: the model, its KV pools, the attention backend, the sampler, and the
+decode CUDA graphs.
 
-Sizing: the KV pool gets `--max-total-tokens` slots when given; otherwise a fraction
-(`--mem-fraction-static`) of the memory left after the weights, divided by the bytes one
-token's K and V take across all layers.
+Construction order matters on a GPU: the weights load, then the attention backend (its
+workspace is resident memory too), then the KV pool is sized from what is left
+(`memory_sizing`: `--max-total-tokens`, else `--mem-fraction-static` of the device minus
+everything resident and a profiled activation peak; on CPU a fraction of free RAM), then
+the decode graphs are captured (CUDA, a backend that supports them, no
+`--disable-cuda-graph`). `forward` replays a graph for DECODE batches that fit one and runs
+eagerly otherwise.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
-from attention.registry import create_attention_backend
+from attention.registry import create_attention_backend, resolve_attention_backend
 from mem_cache.allocator import TokenToKVPoolAllocator
 from mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from srt.configs.model_config import ModelConfig
+from srt.model_executor.cuda_graph_runner import CudaGraphRunner
+from srt.model_executor.flashinfer_sampler import make_sampler
 from srt.model_executor.forward_batch import ForwardBatch
+from srt.model_executor.memory_sizing import (
+    CPU_DEFAULT_MEM_FRACTION,
+    GPU_DEFAULT_MEM_FRACTION,
+    available_memory_bytes,
+    build_profile_batch,
+    default_mem_fraction,
+    kv_bytes_per_token,
+    kv_pool_tokens,
+    pool_size_tokens,
+    profile_activation_peak,
+    profile_lens,
+    round_pool_size,
+    sampler_reserve_bytes,
+)
 from srt.model_loader.loader import get_model
-from srt.sampling.sampler import Sampler
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-CPU_DEFAULT_MEM_FRACTION = 0.3
-GPU_DEFAULT_MEM_FRACTION = 0.88
 DEFAULT_MAX_RUNNING_REQUESTS = 512
+GIB = 2**30
 
-
-def kv_bytes_per_token(model_config: ModelConfig, dtype: torch.dtype) -> int:
-    elem = torch.empty(0, dtype=dtype).element_size()
-    return (
-        2
-        * model_config.num_hidden_layers
-        * model_config.num_key_value_heads
-        * (model_config.head_dim * elem)
-    )
-
-
-def available_memory_bytes(device: str) -> int:
-    if device.startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info()
-        return free
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def pool_size_tokens(
-    model_config: ModelConfig, server_args: ServerArgs, device: str, free_bytes: int
-) -> int:
-    """KV pool size in tokens, a multiple of the page size."""
-    if server_args.max_total_tokens is not None:
-        size = server_args.max_total_tokens
-    else:
-        fraction = server_args.mem_fraction_static
-        if fraction is None:
-            fraction = (
-                GPU_DEFAULT_MEM_FRACTION if device.startswith("cuda") else CPU_DEFAULT_MEM_FRACTION
-            )
-        size = int(free_bytes * fraction) // kv_bytes_per_token(model_config, model_config.dtype)
-    size = size // server_args.page_size * server_args.page_size
-    if size < server_args.page_size * 2:
-        raise ValueError(f"KV pool of {size} tokens is too small; raise the memory budget")
-    return size
+__all__ = [
+    "CPU_DEFAULT_MEM_FRACTION",
+    "GPU_DEFAULT_MEM_FRACTION",
+    "ModelRunner",
+    "available_memory_bytes",
+    "kv_bytes_per_token",
+]
 
 
 class ModelRunner:
@@ -75,21 +61,41 @@ class ModelRunner:
         self.device = server_args.resolved_device()
         torch.manual_seed(server_args.random_seed)
         self.model = get_model(model_config, server_args.load_format, self.device)
+        self.attn_backend_name = resolve_attention_backend(
+            server_args.attention_backend, self.device, model_config.dtype
+        )
+        self.attn_backend = create_attention_backend(
+            self.attn_backend_name,
+            num_heads=model_config.num_attention_heads,
+            num_kv_heads=model_config.num_key_value_heads,
+            head_dim=model_config.head_dim,
+            dtype=model_config.dtype,
+            device=self.device,
+            page_size=server_args.page_size,
+        )
         self.init_memory_pool()
-        backend = server_args.attention_backend
-        if backend == "auto":
-            backend = "torch_native"
-        self.attn_backend = create_attention_backend(backend)
-        self.sampler = Sampler()
+        self.sampler = make_sampler(server_args.sampling_backend, self.device)
+        self.cuda_graph_runner = self.init_cuda_graphs()
 
     def init_memory_pool(self) -> None:
         cfg, args = self.model_config, self.server_args
-        self.max_total_tokens = pool_size_tokens(
-            cfg, args, self.device, available_memory_bytes(self.device)
-        )
+        max_reqs_bound = args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
+        if self.device.startswith("cuda") and args.max_total_tokens is None:
+            self.max_total_tokens = self._profiled_pool_tokens(max_reqs_bound)
+        else:
+            free = 0 if args.max_total_tokens is not None else available_memory_bytes(self.device)
+            self.max_total_tokens = pool_size_tokens(
+                cfg,
+                args.max_total_tokens,
+                args.mem_fraction_static,
+                args.page_size,
+                self.device,
+                free,
+            )
         max_reqs = args.max_running_requests or min(
             DEFAULT_MAX_RUNNING_REQUESTS, max(self.max_total_tokens // 2, 1)
         )
+        self.max_running_requests = max_reqs
         self.req_to_token_pool = ReqToTokenPool(max_reqs, cfg.context_len + 4, self.device)
         self.token_to_kv_pool = MHATokenToKVPool(
             self.max_total_tokens,
@@ -102,12 +108,68 @@ class ModelRunner:
         )
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, args.page_size, self.device)
         logger.info(
-            "KV pool: %d tokens (%.2f GiB, %s), max running requests %d, page size %d",
+            "KV pool: %d tokens (%.2f GiB, %s), max running requests %d, page size %d, "
+            "attention backend %s",
             self.max_total_tokens,
-            self.token_to_kv_pool.get_kv_size_bytes() / 2**30,
+            self.token_to_kv_pool.get_kv_size_bytes() / GIB,
             cfg.dtype,
             max_reqs,
             args.page_size,
+            self.attn_backend_name,
+        )
+
+    def _profiled_pool_tokens(self, max_reqs: int) -> int:
+        """GPU: size the pool from the device's memory after weights and a profiled peak."""
+        cfg, args = self.model_config, self.server_args
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        used = total - free
+        num_tokens = max(args.max_prefill_tokens, args.chunk_size or 0)
+        batch = build_profile_batch(
+            profile_lens(num_tokens, cfg.context_len), args.page_size, cfg, self.device
+        )
+        peak = profile_activation_peak(self.model, self.attn_backend, batch)
+        del batch
+        torch.cuda.empty_cache()
+        reserve = sampler_reserve_bytes(max_reqs, cfg.vocab_size)
+        fraction = args.mem_fraction_static
+        if fraction is None:
+            fraction = default_mem_fraction(self.device)
+        tokens = kv_pool_tokens(
+            total, used, peak + reserve, fraction, kv_bytes_per_token(cfg, cfg.dtype)
+        )
+        logger.info(
+            "GPU memory: %.2f GiB total, %.2f GiB in use after weights, activation peak "
+            "%.2f GiB (%d-token prefill) + sampler %.2f GiB, mem_fraction_static %.2f -> "
+            "#kv-pool-tokens %d",
+            total / GIB,
+            used / GIB,
+            peak / GIB,
+            num_tokens,
+            reserve / GIB,
+            fraction,
+            tokens,
+        )
+        return round_pool_size(tokens, args.page_size)
+
+    def init_cuda_graphs(self) -> CudaGraphRunner | None:
+        args = self.server_args
+        if not self.device.startswith("cuda") or args.disable_cuda_graph:
+            return None
+        if not self.attn_backend.supports_cuda_graph:
+            logger.info("Decode CUDA graphs off: %s cannot be captured", self.attn_backend_name)
+            return None
+        max_bs = min(args.cuda_graph_max_bs, self.max_running_requests)
+        if max_bs < 1:
+            return None
+        return CudaGraphRunner(
+            self.model,
+            self.attn_backend,
+            self.req_to_token_pool,
+            self.token_to_kv_pool,
+            max_bs,
+            self.device,
         )
 
     @torch.inference_mode()
@@ -116,5 +178,8 @@ class ModelRunner:
         forward_batch.req_to_token_pool = self.req_to_token_pool
         forward_batch.token_to_kv_pool = self.token_to_kv_pool
         forward_batch.attn_backend = self.attn_backend
+        graphs = self.cuda_graph_runner
+        if graphs is not None and graphs.can_run(forward_batch):
+            return graphs.replay(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)

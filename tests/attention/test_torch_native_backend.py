@@ -30,17 +30,24 @@ def reference_attention(
 class Harness:
     """Runs RadixAttention layers over builder batches and checks each against the reference."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, dtype: torch.dtype, head_dim: int = 16):
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        dtype: torch.dtype,
+        head_dim: int = 16,
+        **builder_kwargs,  # page_size, device, backend, ... of ForwardBatchBuilder
+    ):
         self.h, self.hkv, self.d, self.dtype = num_heads, num_kv_heads, head_dim, dtype
         self.layers = [
             RadixAttention(num_heads, head_dim, head_dim**-0.5, num_kv_heads, i) for i in range(2)
         ]
-        self.builder = ForwardBatchBuilder(2, num_kv_heads, head_dim, dtype=dtype)
+        self.builder = ForwardBatchBuilder(2, num_kv_heads, head_dim, dtype=dtype, **builder_kwargs)
         self.history: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.gen = torch.Generator().manual_seed(1234)
 
     def randn(self, *shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=self.gen).to(self.dtype)
+        return torch.randn(*shape, generator=self.gen).to(self.builder.device, self.dtype)
 
     def step(self, new_lens: list[tuple[int, int]], mode: ForwardMode | None = None) -> float:
         """Run one batch through both layers; return the max abs error vs the reference."""
@@ -63,8 +70,10 @@ class Harness:
                 k_all, v_all = torch.cat([k_old, k_new]), torch.cat([v_old, v_new])
                 self.history[key] = (k_all, v_all)
                 q_req = q[start : start + n].view(n, self.h, self.d)
-                ref = reference_attention(q_req, k_all, v_all, prefix_lens[rid], layer.scaling)
-                got = out[start : start + n].view(n, self.h, self.d).double()
+                ref = reference_attention(
+                    q_req.cpu(), k_all.cpu(), v_all.cpu(), prefix_lens[rid], layer.scaling
+                )
+                got = out[start : start + n].view(n, self.h, self.d).double().cpu()
                 worst = max(worst, (got - ref).abs().max().item())
                 start += n
         return worst

@@ -1,8 +1,10 @@
 """Hand-built pools and ForwardBatches for model and attention tests.
 
 `ForwardBatchBuilder` plays the scheduler: it owns mem_cache's ReqToTokenPool and MHATokenToKVPool, gives
-each request a row, hands out KV slots in a shuffled order (so gathers are really
+each request a row, hands out KV pages in a shuffled order (so gathers are really
 scattered), and builds EXTEND / MIXED / DECODE batches, running the backend's plan step.
+With `page_size > 1` a request's token at position i sits at offset i % page_size of its
+(i // page_size)-th page, as the paged allocator lays it out.
 """
 
 from __future__ import annotations
@@ -27,26 +29,38 @@ class ForwardBatchBuilder:
         max_context_len: int = 512,
         backend: AttentionBackend | None = None,
         seed: int = 0,
+        page_size: int = 1,
+        device: str | torch.device = "cpu",
     ) -> None:
-        self.req_to_token_pool = ReqToTokenPool(max_reqs, max_context_len)
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self.req_to_token_pool = ReqToTokenPool(max_reqs, max_context_len, device)
         self.kv_pool = MHATokenToKVPool(
             num_slots,
-            page_size=1,
+            page_size=page_size,
             dtype=dtype,
             head_num=num_kv_heads,
             head_dim=head_dim,
             layer_num=num_layers,
+            device=device,
         )
         self.backend = backend or TorchNativeAttnBackend()
         gen = torch.Generator().manual_seed(seed)
-        # slot 0 is the pool's dummy; real slots are 1..num_slots
-        self._free_slots = (torch.randperm(num_slots, generator=gen) + 1).tolist()
+        # page 0 is the pool's dummy; real pages are 1..num_slots // page_size
+        self._free_pages = (torch.randperm(num_slots // page_size, generator=gen) + 1).tolist()
+        self._pages: dict[int, list[int]] = {}  # request id -> its pages in order
         self.rows: dict[int, int] = {}  # request id -> req_to_token row
         self.seq_lens: dict[int, int] = {}
 
-    def _alloc(self, n: int) -> list[int]:
-        slots, self._free_slots = self._free_slots[:n], self._free_slots[n:]
-        assert len(slots) == n, "test KV pool is full"
+    def _alloc(self, rid: int, start: int, n: int) -> list[int]:
+        """Slots of positions start .. start + n of request `rid`, taking pages as needed."""
+        pages = self._pages.setdefault(rid, [])
+        slots = []
+        for pos in range(start, start + n):
+            if pos // self.page_size == len(pages):
+                assert self._free_pages, "test KV pool is full"
+                pages.append(self._free_pages.pop(0))
+            slots.append(pages[pos // self.page_size] * self.page_size + pos % self.page_size)
         return slots
 
     def build(
@@ -67,9 +81,9 @@ class ForwardBatchBuilder:
         for rid, ids in new_tokens:
             row = self.rows.setdefault(rid, len(self.rows))
             prefix = self.seq_lens.get(rid, 0)
-            slots = self._alloc(len(ids))
+            slots = self._alloc(rid, prefix, len(ids))
             self.req_to_token_pool.req_to_token[row, prefix : prefix + len(ids)] = torch.tensor(
-                slots, dtype=torch.int32
+                slots, dtype=torch.int32, device=self.device
             )
             self.seq_lens[rid] = prefix + len(ids)
             input_ids += ids
@@ -81,7 +95,7 @@ class ForwardBatchBuilder:
             seq_lens.append(prefix + len(ids))
 
         def i64(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64)
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
 
         is_decode = mode.is_decode()
         batch = ForwardBatch(

@@ -1,0 +1,310 @@
+"""FlashInfer attention (GPU): plan once per batch, run per layer, CUDA-graph decode.
+
+Plan (`init_forward_metadata`, on the host, once per batch) plans exactly one wrapper:
+
+- EXTEND / MIXED where no request has a cached prefix: ragged prefill, causal, straight
+  over the new tokens' K/V as the projection produced them; they are saved to the pool too.
+- EXTEND / MIXED where some request has a prefix (decodes inside a MIXED batch included):
+  the new K/V are saved first, then paged prefill over prefix + new tokens read from the
+  pool, causal with the mask aligned bottom-right (query j of a request with prefix P sees
+  keys 0 .. P + j).
+- DECODE: paged decode; tensor-core kernels when the GQA group is large enough
+  (`decode_use_tensor_cores`).
+
+The CSR page table (`indptr / indices / last_page_len`) comes from `flashinfer_utils`: the
+indices are gathered from `req_to_token` on the device, indptr and last_page_len are built
+on the host from `seq_lens_cpu` (FlashInfer's plan wants them there; handing it device
+tensors would make it copy them back with a sync). Run (`forward_extend` /
+`forward_decode`, once per layer) makes no host decisions: it views the layer's K/V pool
+buffers as `[pages, page_size, Hkv, D]` ("NHD") and calls the planned wrapper.
+
+CUDA graphs: one decode wrapper per captured batch size (`use_cuda_graph=True`) over
+persistent indptr / indices / last_page_len buffers shared by all of them; replay re-plans
+the same wrapper, which rewrites those buffers in place. One float workspace, allocated
+once, serves every wrapper (they never run at the same time). `flashinfer` is imported
+when the backend is built; the registry imports this module only when it is chosen.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from attention.base import AttentionBackend
+from attention.flashinfer_utils import (
+    build_kv_indices,
+    decode_use_tensor_cores,
+    host_indptr,
+    host_page_table,
+)
+
+if TYPE_CHECKING:
+    from attention.radix_attention import RadixAttention
+    from srt.model_executor.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+# FlashInfer keeps split-KV partial outputs here; large prefills with many requests need
+# more than the 128 MiB of its examples.
+WORKSPACE_BYTES = 256 << 20
+KV_LAYOUT = "NHD"
+
+
+class PlanKind(enum.Enum):
+    RAGGED_PREFILL = "ragged_prefill"
+    PAGED_PREFILL = "paged_prefill"
+    DECODE = "decode"
+
+
+@dataclass(slots=True)
+class FlashInferMetadata:
+    kind: PlanKind
+    wrapper: Any  # the planned flashinfer wrapper
+
+
+class FlashInferAttnBackend(AttentionBackend):
+    supports_cuda_graph = True
+
+    def __init__(
+        self,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cuda",
+        page_size: int = 1,
+        sm_scale: float | None = None,
+        decode_tensor_cores: bool | None = None,
+        workspace_bytes: int = WORKSPACE_BYTES,
+        **_unused: Any,
+    ) -> None:
+        import flashinfer  # the GPU package: imported here, when the backend is chosen
+
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"the flashinfer backend needs a float16 or bfloat16 model, not {dtype}; "
+                "use --dtype bfloat16 or --attention-backend torch_native"
+            )
+        self._fi = flashinfer
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.page_size = page_size
+        self.sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
+        if decode_tensor_cores is None:
+            decode_tensor_cores = decode_use_tensor_cores(num_heads, num_kv_heads)
+        self.decode_tensor_cores = decode_tensor_cores
+        self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
+        self.ragged_prefill = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+            self.workspace, KV_LAYOUT
+        )
+        self.paged_prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, KV_LAYOUT
+        )
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, KV_LAYOUT, use_tensor_cores=decode_tensor_cores
+        )
+        self._graph_wrappers: dict[int, Any] = {}
+        self._graph_indptr: torch.Tensor | None = None
+        self._graph_indices: torch.Tensor | None = None
+        self._graph_last_page_len: torch.Tensor | None = None
+        logger.info(
+            "flashinfer backend: page size %d, decode tensor cores %s, workspace %d MiB",
+            page_size,
+            decode_tensor_cores,
+            workspace_bytes >> 20,
+        )
+
+    # ---- plan -------------------------------------------------------------------------
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        self._check_pool(forward_batch)
+        mode = forward_batch.forward_mode
+        if mode.is_decode():
+            self._plan_decode(self.decode, forward_batch)
+        elif mode.is_extend():
+            self._plan_extend(forward_batch)
+        else:
+            forward_batch.attn_metadata = None
+
+    def _plan_extend(self, forward_batch: ForwardBatch) -> None:
+        prefix_lens = forward_batch.extend_prefix_lens_cpu
+        extend_lens = forward_batch.extend_seq_lens_cpu
+        if prefix_lens is None:
+            assert forward_batch.extend_prefix_lens is not None
+            prefix_lens = forward_batch.extend_prefix_lens.tolist()
+        if extend_lens is None:
+            assert forward_batch.extend_seq_lens is not None
+            extend_lens = forward_batch.extend_seq_lens.tolist()
+        qo_indptr = host_indptr(extend_lens)
+        common = self._plan_kwargs()
+        if not any(prefix_lens):
+            self.ragged_prefill.plan(
+                qo_indptr,
+                qo_indptr,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                causal=True,
+                **common,
+            )
+            forward_batch.attn_metadata = FlashInferMetadata(
+                PlanKind.RAGGED_PREFILL, self.ragged_prefill
+            )
+            return
+        indptr, indices, last_page_len = self._page_table(forward_batch)
+        self.paged_prefill.plan(
+            qo_indptr,
+            indptr,
+            indices,
+            last_page_len,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.page_size,
+            causal=True,
+            **common,
+        )
+        forward_batch.attn_metadata = FlashInferMetadata(PlanKind.PAGED_PREFILL, self.paged_prefill)
+
+    def _plan_decode(self, wrapper: Any, forward_batch: ForwardBatch) -> None:
+        indptr, indices, last_page_len = self._page_table(forward_batch)
+        wrapper.plan(
+            indptr,
+            indices,
+            last_page_len,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.page_size,
+            **self._plan_kwargs(),
+        )
+        forward_batch.attn_metadata = FlashInferMetadata(PlanKind.DECODE, wrapper)
+
+    def _plan_kwargs(self) -> dict[str, Any]:
+        return {
+            "sm_scale": self.sm_scale,
+            "q_data_type": self.dtype,
+            "kv_data_type": self.dtype,
+            "non_blocking": True,
+        }
+
+    def _page_table(
+        self, forward_batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(host indptr, device indices, host last_page_len) of the batch's seq_lens."""
+        req_pool = self._check_pool(forward_batch)
+        indptr, last_page_len, total = host_page_table(forward_batch.seq_lens_cpu, self.page_size)
+        _, indices, _ = build_kv_indices(
+            req_pool.req_to_token,
+            forward_batch.req_pool_indices,
+            forward_batch.seq_lens,
+            self.page_size,
+            total_pages=total,
+        )
+        return indptr, indices, last_page_len
+
+    def _check_pool(self, forward_batch: ForwardBatch) -> Any:
+        req_pool = forward_batch.req_to_token_pool
+        kv_pool = forward_batch.token_to_kv_pool
+        assert req_pool is not None and kv_pool is not None, "the batch needs its pools"
+        if kv_pool.page_size != self.page_size:
+            raise ValueError(
+                f"KV pool page size {kv_pool.page_size} != backend page size {self.page_size}"
+            )
+        return req_pool
+
+    # ---- CUDA graphs ------------------------------------------------------------------
+
+    def init_cuda_graph_state(self, max_bs: int, max_pages_per_req: int) -> None:
+        device = self.workspace.device
+        self._graph_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
+        self._graph_last_page_len = torch.ones(max_bs, dtype=torch.int32, device=device)
+        self._graph_indices = torch.zeros(
+            max_bs * max_pages_per_req, dtype=torch.int32, device=device
+        )
+        self._graph_wrappers = {}
+
+    def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
+        assert self._graph_indptr is not None, "call init_cuda_graph_state first"
+        assert self._graph_last_page_len is not None
+        bs = forward_batch.batch_size
+        wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace,
+            KV_LAYOUT,
+            use_cuda_graph=True,
+            use_tensor_cores=self.decode_tensor_cores,
+            paged_kv_indptr_buffer=self._graph_indptr[: bs + 1],
+            paged_kv_indices_buffer=self._graph_indices,
+            paged_kv_last_page_len_buffer=self._graph_last_page_len[:bs],
+        )
+        self._graph_wrappers[bs] = wrapper
+        self._plan_decode(wrapper, forward_batch)
+
+    def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
+        self._plan_decode(self._graph_wrappers[forward_batch.batch_size], forward_batch)
+
+    # ---- run --------------------------------------------------------------------------
+
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        self._check_layer(layer)
+        meta: FlashInferMetadata = forward_batch.attn_metadata
+        q3 = q.contiguous().view(-1, self.num_heads, self.head_dim)
+        if meta.kind is PlanKind.RAGGED_PREFILL:
+            out = meta.wrapper.run(
+                q3,
+                k.contiguous().view(-1, self.num_kv_heads, self.head_dim),
+                v.contiguous().view(-1, self.num_kv_heads, self.head_dim),
+            )
+            if save_kv_cache:
+                self.save_kv(layer, forward_batch, k, v)
+        else:
+            if save_kv_cache:
+                self.save_kv(layer, forward_batch, k, v)
+            out = meta.wrapper.run(q3, self._paged_kv(layer, forward_batch))
+        return out.view(-1, self.num_heads * self.head_dim)
+
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        self._check_layer(layer)
+        if save_kv_cache:
+            self.save_kv(layer, forward_batch, k, v)
+        meta: FlashInferMetadata = forward_batch.attn_metadata
+        q3 = q.contiguous().view(-1, self.num_heads, self.head_dim)
+        out = meta.wrapper.run(q3, self._paged_kv(layer, forward_batch))
+        return out.view(-1, self.num_heads * self.head_dim)
+
+    def _paged_kv(
+        self, layer: RadixAttention, forward_batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's pool buffers [slots, Hkv, D] viewed as [pages, page_size, Hkv, D]."""
+        k_cache, v_cache = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        shape = (-1, self.page_size, self.num_kv_heads, self.head_dim)
+        return k_cache.view(shape), v_cache.view(shape)
+
+    def _check_layer(self, layer: RadixAttention) -> None:
+        # The plan fixed heads and scale for every layer of the batch.
+        planned = (self.num_heads, self.num_kv_heads, self.head_dim, self.sm_scale)
+        if (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scaling) != planned:
+            raise ValueError(f"layer {layer.layer_id} does not match the planned shape / scale")

@@ -1,0 +1,231 @@
+"""CUDA-graph decode: capture the decoder at fixed batch sizes, replay padded batches.
+
+Lifecycle (owned by `ModelRunner`, built only on CUDA, with a backend that supports graphs,
+and without `--disable-cuda-graph`):
+
+1. `__init__` allocates persistent input buffers for `max_bs` requests and the backend's
+   persistent index buffers, then captures one graph per batch size of
+   `capture_batch_sizes(max_bs)` (1, 2, 4, 8, then every 8), largest first, all in one
+   memory pool. Each capture plans a dummy decode batch through the backend's capture hook,
+   runs the decoder eagerly twice (warm-up, lazy inits, kernel JIT), then captures it.
+2. `replay(forward_batch)` (a DECODE batch of bs <= max_bs) picks the smallest captured
+   size >= bs (`select_bucket`), copies the batch into the buffers and pads the rest
+   (`DecodeGraphInputs.fill`: padding rows write KV slot 0, the dummy, and read one token
+   of request row 0), re-plans attention through the backend's replay hook, replays, and
+   computes logits eagerly from the first bs rows of the graph's hidden states.
+
+The graphs cover the decoder only (embedding .. final norm); the LM head and logits run
+eagerly on the real rows, so no graph keeps a [bs, vocab] output alive. Replay launches on
+the caller's current stream, which is what the overlap loop needs: its forward thread has
+a stream of its own, and the copies, the plan's uploads and the replay are all ordered on
+it. The returned logits are fresh tensors; the hidden states they come from are
+overwritten by the next replay.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+
+logger = logging.getLogger(__name__)
+
+# Padding rows: token 0 at position 0, written to the dummy KV slot 0, reading one token
+# of req_to_token row 0 (whatever it holds is a valid slot; the result is discarded).
+PAD_SEQ_LEN = 1
+WARMUP_RUNS = 2
+
+
+def capture_batch_sizes(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to `max_bs` (and `max_bs` itself when it is not on it)."""
+    if max_bs < 1:
+        return []
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_bs] + list(range(16, max_bs + 1, 8))
+    if sizes[-1] != max_bs:
+        sizes.append(max_bs)
+    return sizes
+
+
+def select_bucket(bs: int, sizes: list[int]) -> int | None:
+    """The smallest captured size >= bs, or None when bs is larger than all of them."""
+    i = bisect.bisect_left(sizes, bs)
+    return sizes[i] if i < len(sizes) else None
+
+
+def padded_seq_lens(seq_lens: list[int], padded_bs: int) -> list[int]:
+    return list(seq_lens) + [PAD_SEQ_LEN] * (padded_bs - len(seq_lens))
+
+
+_FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens")
+
+
+@dataclass(slots=True)
+class DecodeGraphInputs:
+    """The persistent tensors a captured decode graph reads, for up to `max_bs` rows."""
+
+    input_ids: torch.Tensor  # int64 [max_bs]
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+
+    @classmethod
+    def allocate(cls, max_bs: int, device: str | torch.device) -> DecodeGraphInputs:
+        def zeros() -> torch.Tensor:
+            return torch.zeros(max_bs, dtype=torch.int64, device=device)
+
+        inputs = cls(zeros(), zeros(), zeros(), zeros(), zeros())
+        inputs.seq_lens.fill_(PAD_SEQ_LEN)
+        return inputs
+
+    def fill(self, forward_batch: ForwardBatch, padded_bs: int) -> None:
+        """Copy the batch's rows in and make rows bs .. padded_bs padding."""
+        bs = forward_batch.batch_size
+        for name in _FIELDS:
+            getattr(self, name)[:bs].copy_(getattr(forward_batch, name), non_blocking=True)
+        self.pad(bs, padded_bs)
+
+    def pad(self, start: int, stop: int) -> None:
+        if stop <= start:
+            return
+        for name in _FIELDS:
+            getattr(self, name)[start:stop].fill_(PAD_SEQ_LEN if name == "seq_lens" else 0)
+
+    def forward_batch(self, padded_bs: int, seq_lens_cpu: list[int]) -> ForwardBatch:
+        """A DECODE batch viewing the first `padded_bs` rows (logits for every row)."""
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE,
+            batch_size=padded_bs,
+            input_ids=self.input_ids[:padded_bs],
+            positions=self.positions[:padded_bs],
+            out_cache_loc=self.out_cache_loc[:padded_bs],
+            req_pool_indices=self.req_pool_indices[:padded_bs],
+            seq_lens=self.seq_lens[:padded_bs],
+            seq_lens_cpu=seq_lens_cpu,
+        )
+
+
+class GraphCapture(Protocol):
+    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        """Record `fn`; return (replay, its static output tensor)."""
+
+
+class CudaGraphCapture:
+    """torch.cuda.CUDAGraph capture on a side stream, every graph in one memory pool."""
+
+    def __init__(self, device: str | torch.device) -> None:
+        self.stream = torch.cuda.Stream(device)
+        self.pool: Any = None
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+            out = fn()
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph.replay, out
+
+
+class EagerCapture:
+    """Re-runs `fn` at each replay into the same output tensor: the graph runner's logic
+    without CUDA (CPU tests)."""
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        out = fn()
+        return (lambda: out.copy_(fn())), out
+
+
+class CudaGraphRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        attn_backend: Any,
+        req_to_token_pool: Any,
+        token_to_kv_pool: Any,
+        max_bs: int,
+        device: str | torch.device,
+        capture: GraphCapture | None = None,
+    ) -> None:
+        self.decoder, self.logits_head = split_decoder(model)
+        self.attn_backend = attn_backend
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool = token_to_kv_pool
+        self.batch_sizes = capture_batch_sizes(max_bs)
+        self.max_bs = self.batch_sizes[-1]
+        self.inputs = DecodeGraphInputs.allocate(self.max_bs, device)
+        page_size = token_to_kv_pool.page_size
+        max_pages = -(-req_to_token_pool.max_context_len // page_size)
+        attn_backend.init_cuda_graph_state(self.max_bs, max_pages)
+        self.capture_impl = capture or CudaGraphCapture(device)
+        self.graphs: dict[int, Callable[[], None]] = {}
+        self.hidden: dict[int, torch.Tensor] = {}
+        self.batches: dict[int, ForwardBatch] = {}
+        tic = time.perf_counter()
+        with torch.inference_mode():
+            for bs in reversed(self.batch_sizes):
+                self._capture_one(bs)
+        logger.info(
+            "Captured %d decode CUDA graphs (batch sizes %s) in %.1f s",
+            len(self.batch_sizes),
+            self.batch_sizes,
+            time.perf_counter() - tic,
+        )
+
+    def can_run(self, forward_batch: ForwardBatch) -> bool:
+        return forward_batch.forward_mode.is_decode() and forward_batch.batch_size <= self.max_bs
+
+    def _attach(self, forward_batch: ForwardBatch) -> ForwardBatch:
+        forward_batch.req_to_token_pool = self.req_to_token_pool
+        forward_batch.token_to_kv_pool = self.token_to_kv_pool
+        forward_batch.attn_backend = self.attn_backend
+        return forward_batch
+
+    def _capture_one(self, bs: int) -> None:
+        self.inputs.pad(0, bs)
+        batch = self._attach(self.inputs.forward_batch(bs, padded_seq_lens([], bs)))
+        self.attn_backend.init_forward_metadata_capture_cuda_graph(batch)
+
+        def run() -> torch.Tensor:
+            return self.decoder(batch.input_ids, batch.positions, batch)
+
+        for _ in range(WARMUP_RUNS):
+            run()
+        # Writing the buffers again bumps their version counters, so per-forward caches
+        # keyed on them (the rotary cos/sin lookup) miss and get recorded into the graph.
+        self.inputs.pad(0, bs)
+        self.graphs[bs], self.hidden[bs] = self.capture_impl.capture(run)
+        self.batches[bs] = batch
+
+    def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Logits (float32 [bs, vocab]) of a DECODE batch, through the captured graph."""
+        bs = forward_batch.batch_size
+        padded = select_bucket(bs, self.batch_sizes)
+        assert padded is not None, f"batch of {bs} exceeds the captured {self.max_bs}"
+        self.inputs.fill(forward_batch, padded)
+        batch = self.batches[padded]
+        batch.seq_lens_cpu = padded_seq_lens(forward_batch.seq_lens_cpu, padded)
+        self.attn_backend.init_forward_metadata_replay_cuda_graph(batch)
+        self.graphs[padded]()
+        return self.logits_head(self.hidden[padded][:bs], forward_batch)
+
+
+def split_decoder(
+    model: torch.nn.Module,
+) -> tuple[Callable[..., torch.Tensor], Callable[[torch.Tensor, ForwardBatch], torch.Tensor]]:
+    """(decoder: ids, positions, batch -> hidden states; head: hidden, batch -> logits) of a
+    model built like LlamaForCausalLM (`model`, `lm_head`, `logits_processor`)."""
+    for attr in ("model", "lm_head", "logits_processor"):
+        if not hasattr(model, attr):
+            raise TypeError(f"{type(model).__name__} has no .{attr}: cannot capture its decoder")
+
+    def head(hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        return model.logits_processor(hidden, model.lm_head, forward_batch)
+
+    return model.model, head

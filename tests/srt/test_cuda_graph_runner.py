@@ -1,0 +1,157 @@
+"""Decode CUDA-graph runner: bucket list, bucket choice, input padding, and the whole
+capture / replay flow on CPU (an eager stand-in for the graph, the fake flashinfer backend),
+checked against eager forwards of the same batches."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from attention.registry import create_attention_backend
+from srt.model_executor.cuda_graph_runner import (
+    PAD_SEQ_LEN,
+    CudaGraphRunner,
+    DecodeGraphInputs,
+    EagerCapture,
+    GraphCapture,
+    capture_batch_sizes,
+    padded_seq_lens,
+    select_bucket,
+)
+from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from srt.server_args import ServerArgs
+from tests.attention.fake_flashinfer import make_fake_flashinfer
+from tests.srt.forward_helpers import ForwardBatchBuilder
+from tests.srt.test_models import CONFIGS, build_pair
+
+
+def test_capture_batch_sizes() -> None:
+    assert capture_batch_sizes(160) == [1, 2, 4, 8] + list(range(16, 161, 8))
+    assert capture_batch_sizes(256)[-3:] == [240, 248, 256]
+    assert capture_batch_sizes(8) == [1, 2, 4, 8]
+    assert capture_batch_sizes(3) == [1, 2, 3]
+    assert capture_batch_sizes(100)[-2:] == [96, 100]  # the cap itself is always captured
+    assert capture_batch_sizes(0) == []
+
+
+def test_select_bucket_pads_to_nearest_captured_size() -> None:
+    sizes = capture_batch_sizes(160)
+    expected = {1: 1, 2: 2, 3: 4, 5: 8, 8: 8, 9: 16, 16: 16, 17: 24, 159: 160, 160: 160}
+    for bs, bucket in expected.items():
+        assert select_bucket(bs, sizes) == bucket
+    assert select_bucket(161, sizes) is None
+    for bs in range(1, 161):  # always the smallest captured size that holds the batch
+        bucket = select_bucket(bs, sizes)
+        assert bucket >= bs and all(s < bs for s in sizes if s < bucket)
+
+
+def test_inputs_fill_and_pad() -> None:
+    inputs = DecodeGraphInputs.allocate(8, "cpu")
+    batch = ForwardBatch(
+        forward_mode=ForwardMode.DECODE,
+        batch_size=3,
+        input_ids=torch.tensor([11, 12, 13]),
+        positions=torch.tensor([4, 9, 2]),
+        out_cache_loc=torch.tensor([40, 41, 42]),
+        req_pool_indices=torch.tensor([5, 1, 7]),
+        seq_lens=torch.tensor([5, 10, 3]),
+        seq_lens_cpu=[5, 10, 3],
+    )
+    inputs.input_ids.fill_(99)  # stale rows from an earlier, larger batch
+    inputs.fill(batch, 4)
+    assert inputs.input_ids[:4].tolist() == [11, 12, 13, 0]
+    assert inputs.positions[:4].tolist() == [4, 9, 2, 0]
+    assert inputs.out_cache_loc[:4].tolist() == [40, 41, 42, 0]  # padding writes slot 0
+    assert inputs.req_pool_indices[:4].tolist() == [5, 1, 7, 0]
+    assert inputs.seq_lens[:4].tolist() == [5, 10, 3, PAD_SEQ_LEN]
+    assert inputs.input_ids[4:].tolist() == [99] * 4  # rows beyond the bucket untouched
+    assert padded_seq_lens([5, 10, 3], 4) == [5, 10, 3, PAD_SEQ_LEN]
+    view = inputs.forward_batch(4, padded_seq_lens([5, 10, 3], 4))
+    assert view.batch_size == 4 and view.logits_indices is None
+    assert view.input_ids.data_ptr() == inputs.input_ids.data_ptr()
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setitem(sys.modules, "flashinfer", make_fake_flashinfer())
+
+
+def check_replay_matches_eager(
+    config, page_size: int, device: str, capture: GraphCapture | None
+) -> None:
+    """Prefill 9 requests, then decode sub-batches of several sizes both eagerly and through
+    a runner with graphs for 1, 2, 4, 8: the logits must agree (bf16)."""
+    _, model = build_pair(config, torch.bfloat16)
+    model = model.to(device)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    backend = create_attention_backend(
+        "flashinfer",
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+        device=device,
+        page_size=page_size,
+        workspace_bytes=1024 if device == "cpu" else 128 << 20,
+    )
+    builder = ForwardBatchBuilder(
+        config.num_hidden_layers,
+        config.num_key_value_heads,
+        head_dim,
+        dtype=torch.bfloat16,
+        page_size=page_size,
+        backend=backend,
+        max_context_len=128,
+        device=device,
+    )
+    runner = CudaGraphRunner(
+        model,
+        backend,
+        builder.req_to_token_pool,
+        builder.kv_pool,
+        max_bs=8,
+        device=device,
+        capture=capture,
+    )
+    assert runner.batch_sizes == [1, 2, 4, 8]
+    gen = torch.Generator().manual_seed(0)
+    vocab = config.vocab_size
+    prompts = {
+        rid: torch.randint(0, vocab, (5 + 7 * rid,), generator=gen).tolist() for rid in range(9)
+    }
+    prefill = builder.build(list(prompts.items()))
+    with torch.inference_mode():
+        model(prefill.input_ids, prefill.positions, prefill)
+    for rids in ([0, 1, 2], [3], [4, 5, 6, 7, 8], [8, 2, 0, 5, 1], [0, 1, 2, 3, 4, 5, 6, 7]):
+        tokens = [(rid, [int(torch.randint(0, vocab, (1,), generator=gen))]) for rid in rids]
+        batch = builder.build(tokens)
+        assert runner.can_run(batch)
+        with torch.inference_mode():
+            eager = model(batch.input_ids, batch.positions, batch)
+            replayed = runner.replay(batch)
+        assert replayed.shape == eager.shape == (len(rids), vocab)
+        torch.testing.assert_close(replayed, eager, atol=2e-2, rtol=2e-2)
+    big = builder.build([(rid, [1]) for rid in range(9)])
+    assert not runner.can_run(big)  # 9 > 8: the model runner runs it eagerly
+    assert not runner.can_run(builder.build([(0, [1, 2])], mode=ForwardMode.EXTEND))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("config_name", ["llama", "qwen3_tied"])
+def test_replay_matches_eager_decode(fake_flashinfer, page_size: int, config_name: str) -> None:
+    check_replay_matches_eager(CONFIGS[config_name], page_size, "cpu", EagerCapture())
+
+
+def test_cuda_graph_flags() -> None:
+    from srt.server_args import prepare_server_args
+
+    args = prepare_server_args(
+        ["--attention-backend", "flashinfer", "--disable-cuda-graph", "--cuda-graph-max-bs", "256"]
+    )
+    assert args.attention_backend == "flashinfer"
+    assert args.disable_cuda_graph and args.cuda_graph_max_bs == 256
+    defaults = ServerArgs()
+    assert not defaults.disable_cuda_graph and defaults.cuda_graph_max_bs == 160
+    assert defaults.sampling_backend == "seeded"
