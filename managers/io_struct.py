@@ -30,6 +30,8 @@ class GenerateReqInput:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
+    # Prefill/decode disaggregation (sent by a PD router): (bootstrap_host, port, room).
+    bootstrap: tuple[str, int, int] | None = None
 
 
 @dataclass
@@ -44,6 +46,7 @@ class TokenizedGenerateReqInput:
     top_logprobs_num: int = 0
     stream: bool = False
     extra_key: str | None = None
+    bootstrap: tuple[str, int, int] | None = None
 
 
 @dataclass

@@ -81,6 +81,7 @@ class Req:
         top_logprobs_num: int = 0,
         stream: bool = False,
         extra_key: str | None = None,
+        bootstrap: tuple[str, int, int] | None = None,
     ) -> None:
         self.rid = rid
         self.origin_input_ids = origin_input_ids
@@ -89,6 +90,9 @@ class Req:
         self.eos_token_ids = eos_token_ids
         self.stream = stream
         self.extra_key = extra_key
+        # Disaggregation: (bootstrap_host, port, room) and the KVPoll state of its transfer.
+        self.bootstrap = bootstrap
+        self.kv_poll: int | None = None
         self.output_ids: list[int] = []
         # Overlap loop: the future token id of a launched, not yet processed sample.
         self.pending_token: int | None = None

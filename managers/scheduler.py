@@ -15,6 +15,7 @@ double. Message handling (new requests, aborts, flushes) is in `handle()`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -25,6 +26,7 @@ from torch.profiler import record_function
 
 from constrained import create_grammar_backend
 from constrained.base_grammar_backend import grammar_key
+from disagg.scheduler_hooks import create_disagg
 from managers.grammar_queue import GrammarQueue
 from managers.io_struct import AbortReq, BatchTokenIDOut, FlushCacheReq, TokenizedGenerateReqInput
 from managers.req import Req, finish_abort
@@ -79,6 +81,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
             server_args.grammar_backend, tokenizer, self.vocab_size, self.eos_token_ids
         )
         self.grammar_queue = GrammarQueue(server_args.grammar_compile_timeout)
+        self.disagg = create_disagg(self, worker)
         self.waiting_queue: list[Req] = []
         self.running_batch = self._new_batch([])
         self.chunked_req: Req | None = None
@@ -140,6 +143,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
             top_logprobs_num=msg.top_logprobs_num,
             stream=msg.stream,
             extra_key=msg.extra_key,
+            bootstrap=msg.bootstrap if self.disagg is not None else None,
         )
         error = self._validate(req)
         if error is not None:
@@ -147,7 +151,9 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
             self.emit([req])
             return
         key = grammar_key(params)
-        if key is None:
+        if req.bootstrap is not None:
+            self._add_disagg_request(req, key)
+        elif key is None:
             self.waiting_queue.append(req)
         elif self.grammar_backend is None:
             req.finished_reason = finish_abort(
@@ -156,6 +162,23 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
             self.emit([req])
         else:
             self.grammar_queue.add(req, self.grammar_backend.compile_async(key))
+
+    def fail_request(self, req: Req, message: str, status_code: int | None = None) -> None:
+        """Finish `req` with an error and tell the client (its KV is the caller's concern)."""
+        req.finished_reason = finish_abort(message, status_code)
+        self.emit([req])
+
+    def _add_disagg_request(self, req: Req, key: Any) -> None:
+        if key is not None or req.sampling_params.n != 1 or req.return_logprob:
+            req.finished_reason = finish_abort(
+                "Disaggregated requests support neither grammars, n > 1 nor logprobs.", 400
+            )
+            self.emit([req])
+            return
+        if self.server_args.disaggregation_mode == "prefill":
+            # The prefill side produces only the first token; decode produces the rest.
+            req.sampling_params = dataclasses.replace(req.sampling_params, max_new_tokens=1)
+        self.disagg.add(req)
 
     def _validate(self, req: Req) -> str | None:
         n = len(req.origin_input_ids)
@@ -179,7 +202,8 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
         def hit(r: Req) -> bool:
             return msg.abort_all or r.rid == msg.rid
 
-        for req in self.grammar_queue.remove_if(hit):
+        gone = self.disagg.remove_if(hit) if self.disagg is not None else []
+        for req in gone + self.grammar_queue.remove_if(hit):
             req.finished_reason = finish_abort("Aborted by request.")
             self.num_aborted_reqs += 1
             self.emit([req])
@@ -219,6 +243,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
             and self.last_batch is None
             and self.pending is None
             and not self.grammar_queue
+            and not self.disagg
         )
 
     def step(self) -> bool:
@@ -271,6 +296,8 @@ class Scheduler(SchedulerOutputMixin, SchedulerOverlapMixin):
             self.memory_check = {"ok": True, "error": None, "time": time.time()}
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        if self.disagg is not None:
+            self.disagg.poll()
         if self.grammar_queue:
             nothing_else = not self.waiting_queue and self.running_batch.is_empty()
             ready, failed = self.grammar_queue.pop_done(

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from disagg.base import KVPoll
 from managers.io_struct import BatchTokenIDOut
 from managers.req import Req, finish_abort, finish_length, finish_matched
 
@@ -61,7 +62,9 @@ class SchedulerOutputMixin:
             req.input_logprobs_done = True
             if not req.finished():
                 self._append_token(req, result, i)
-            if req.finished():
+            if req.finished() and req.kv_poll == KVPoll.WaitingForInput and req.output_ids:
+                self.disagg.on_prefilled(req)  # finishes once its KV reached decode
+            elif req.finished():
                 self.tree_cache.cache_finished_req(req)
                 emit.append(req)
             elif req.stream or extend:

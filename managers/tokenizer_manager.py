@@ -175,6 +175,7 @@ class TokenizerManager:
             logprob_start_len=obj.logprob_start_len if obj.return_logprob else -1,
             top_logprobs_num=obj.top_logprobs_num if obj.return_logprob else 0,
             stream=obj.stream,
+            bootstrap=obj.bootstrap,
         )
         samples = msgs if params.n == 1 else msgs[1:]
         if any(m.rid in self.rid_to_state for m in samples):

@@ -61,17 +61,35 @@ def parse_generate(body: Any) -> tuple[list[GenerateReqInput], bool]:
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise RequestError(f"`{name}` must be {kind.__name__}.", param=name)
         options[name] = value
+    boot = bootstrap_info(body, len(prompts))
     objs = [
         GenerateReqInput(
             **{field: prompt},
             sampling_params=params[i] if params[i] is not None else {},
             rid=rids[i],
             stream=stream,
+            bootstrap=boot[i],
             **options,
         )
         for i, (field, prompt) in enumerate(prompts)
     ]
     return objs, is_batch
+
+
+def bootstrap_info(body: dict[str, Any], n: int) -> list[tuple[str, int, int] | None]:
+    """`bootstrap_host/port/room` (as sglang-router's PD mode sends them), per prompt."""
+    room = body.get("bootstrap_room")
+    if room is None:
+        return [None] * n
+    hosts = _per_prompt(body.get("bootstrap_host"), n, "bootstrap_host", str)
+    ports = _per_prompt(body.get("bootstrap_port"), n, "bootstrap_port", int)
+    rooms = _per_prompt(room, n, "bootstrap_room", int)
+    out = []
+    for host, port, r in zip(hosts, ports, rooms, strict=True):
+        if host is None or port is None or r is None:
+            raise RequestError("bootstrap_host, bootstrap_port and bootstrap_room go together.")
+        out.append((host, port, r))
+    return out
 
 
 def _per_prompt(value: Any, n: int, name: str, kind: type) -> list[Any]:

@@ -34,6 +34,16 @@ class ResponseFormat(_Lenient):
 class SamplingRequest(_Lenient):
     """Fields shared by completions and chat: OpenAI sampling plus SGLang extras."""
 
+    # Prefill/decode disaggregation, as sglang-router's PD mode sends them.
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+
+    def bootstrap(self) -> tuple[str, int, int] | None:
+        if self.bootstrap_room is None or self.bootstrap_host is None:
+            return None
+        return (self.bootstrap_host, self.bootstrap_port or 0, self.bootstrap_room)
+
     model: str | None = None
     max_tokens: int | None = Field(None, ge=0)
     temperature: float | None = Field(None, ge=0.0, le=2.0)

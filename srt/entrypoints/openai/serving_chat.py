@@ -65,6 +65,7 @@ class OpenAIServingChat:
             return_logprob=req.logprobs,
             top_logprobs_num=req.top_logprobs or 0,
             return_text_in_logprobs=req.logprobs,
+            bootstrap=req.bootstrap(),
         )
         gens = [self.tm.generate_request(obj, raw_request)]
         if req.stream:

@@ -85,6 +85,7 @@ class OpenAIServingCompletion:
             logprob_start_len=0 if want_logprobs and req.echo else -1,
             top_logprobs_num=req.logprobs or 0,
             return_text_in_logprobs=want_logprobs,
+            bootstrap=req.bootstrap(),
         )
 
     def _prompt_text(self, prompt: Prompt) -> str:

@@ -1,0 +1,91 @@
+"""Shared pieces of prefill/decode disaggregation: the poll states, the KV description each
+side publishes, and the messages of the bootstrap channel.
+
+Protocol (one request, "room" = the router's `bootstrap_room`):
+
+    decode server                                   prefill server (bootstrap port)
+    request arrives with bootstrap_host/port/room   the same request arrives
+    pre-allocate a row + prompt_len KV slots         waits in the bootstrap queue
+    ── KVRegister(room, dst slots, where to write) ──▶ (Bootstrapping -> WaitingForInput)
+                                                    prefill forward (own radix cache)
+                                                    write KV into the decode slots
+                                                    (Transferring)
+    ◀── KVTransferDone(room, ok, first token) ───── finish its own request, free its KV
+    Success: the request joins the running batch    Success
+    with its first token; decode continues
+
+A request that fails on either side (timeout, transfer error, peer gone) finishes with an
+abort on that side and frees every slot it held; the other side times out the same way.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class KVPoll(enum.IntEnum):
+    Failed = 0
+    Bootstrapping = 1
+    WaitingForInput = 2
+    Transferring = 3
+    Success = 4
+
+
+@dataclass
+class KVArgs:
+    """The KV pool of one server, as a transfer backend sees it: per layer a K and a V
+    buffer, `item_bytes` per slot (one token of one layer)."""
+
+    k_buffers: list[torch.Tensor]
+    v_buffers: list[torch.Tensor]
+    item_bytes: int
+
+    @classmethod
+    def from_pool(cls, pool: Any) -> KVArgs:
+        k0 = pool.k_buffer[0]
+        return cls(list(pool.k_buffer), list(pool.v_buffer), k0[0].numel() * k0.element_size())
+
+    def buffers(self) -> list[torch.Tensor]:
+        return self.k_buffers + self.v_buffers
+
+    def layout(self) -> tuple[int, int]:
+        return len(self.k_buffers), self.item_bytes
+
+
+@dataclass
+class KVRegister:
+    """Decode -> prefill: where to write one room's KV."""
+
+    room: int
+    dst_slots: list[int]
+    layout: tuple[int, int]  # (num_layers, item_bytes): must match the prefill side's
+    peer: dict[str, Any] = field(default_factory=dict)  # the transfer backend's address info
+
+
+@dataclass
+class KVTransferDone:
+    """Prefill -> decode: the room's KV is written (or failed)."""
+
+    room: int
+    ok: bool
+    first_token: int = -1
+    cached_tokens: int = 0
+    error: str = ""
+    # loopback backend only: the KV itself, per buffer (K layers, then V layers)
+    payload: list[bytes] | None = None
+
+
+def slot_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """Merge (src, dst) slot pairs into runs contiguous on both sides: (src0, dst0, length)."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            s0, d0, n = runs[-1]
+            runs[-1] = (s0, d0, n + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs

@@ -1,0 +1,130 @@
+"""Prefill side of disaggregation, driven by the scheduler once per step.
+
+    arrival (with bootstrap room) ──▶ bootstrap queue ──(decode's KVRegister arrived)──▶
+    waiting queue ──▶ prefill forward (first token) ──▶ inflight: KV written to the decode
+    slots on a transfer thread ──▶ KVTransferDone to decode; the request finishes here and
+    its KV goes to this server's radix tree.
+
+Requests without bootstrap info are served as usual (aggregated).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from disagg.base import KVArgs, KVPoll, KVRegister, KVTransferDone
+from disagg.bootstrap import BootstrapServer
+from disagg.transfer import create_transfer_backend
+
+if TYPE_CHECKING:
+    from managers.req import Req
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillDisagg:
+    def __init__(self, scheduler: Any, kv: KVArgs) -> None:
+        args = scheduler.server_args
+        self.scheduler = scheduler
+        self.timeout_s = args.disaggregation_timeout
+        self.transfer = create_transfer_backend(args.disaggregation_transfer_backend, kv, args.host)
+        self.server = BootstrapServer(args.host, args.disaggregation_bootstrap_port)
+        self.layout = kv.layout()
+        self.registrations: dict[int, tuple[bytes, KVRegister, float]] = {}
+        self.bootstrap_queue: list[tuple[Req, float]] = []
+        self.inflight: list[tuple[Req, bytes, KVRegister, Future[list[bytes] | None]]] = []
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="kv-transfer")
+
+    def __bool__(self) -> bool:
+        return bool(self.bootstrap_queue or self.inflight)
+
+    def add(self, req: Req) -> None:
+        req.kv_poll = KVPoll.Bootstrapping
+        self.bootstrap_queue.append((req, time.monotonic() + self.timeout_s))
+
+    def remove_if(self, pred: Any) -> list[Req]:
+        gone = [r for r, _ in self.bootstrap_queue if pred(r)]
+        self.bootstrap_queue = [(r, t) for r, t in self.bootstrap_queue if not pred(r)]
+        return gone
+
+    # ---- per step ------------------------------------------------------------------
+    def poll(self) -> None:
+        now = time.monotonic()
+        for identity, msg in self.server.recv_all():
+            if isinstance(msg, KVRegister):
+                if tuple(msg.layout) != self.layout:
+                    self._reply(identity, msg.room, f"KV layout {msg.layout} != {self.layout}")
+                    continue
+                self.registrations[msg.room] = (identity, msg, now)
+        self._admit_registered(now)
+        self._finish_transfers()
+        # Registrations whose request never came here are dropped after the timeout.
+        for room, (identity, _, t) in list(self.registrations.items()):
+            if now - t > self.timeout_s:
+                del self.registrations[room]
+                self._reply(identity, room, "the prefill server never received this request")
+
+    def _admit_registered(self, now: float) -> None:
+        keep = []
+        for req, deadline in self.bootstrap_queue:
+            room = req.bootstrap[2]
+            entry = self.registrations.get(room)
+            if entry is not None and len(entry[1].dst_slots) == len(req.origin_input_ids):
+                req.kv_poll = KVPoll.WaitingForInput
+                self.scheduler.waiting_queue.append(req)
+            elif entry is not None:
+                del self.registrations[room]
+                self._reply(entry[0], room, "decode allocated a different number of slots")
+                self._fail(req, "decode allocated a different number of KV slots")
+            elif now > deadline:
+                self._fail(req, "no decode server registered for this request in time")
+            else:
+                keep.append((req, deadline))
+        self.bootstrap_queue = keep
+
+    def on_prefilled(self, req: Req) -> None:
+        """The request's prompt KV and first token exist: start writing them to decode."""
+        identity, reg, _ = self.registrations.pop(req.bootstrap[2])
+        row = req.req_pool_idx
+        n = len(req.origin_input_ids)
+        src = self.scheduler.req_to_token_pool.req_to_token[row, :n].tolist()
+        req.kv_poll = KVPoll.Transferring
+        future = self.executor.submit(self._write, reg, src)
+        self.inflight.append((req, identity, reg, future))
+
+    def _write(self, reg: KVRegister, src: list[int]) -> list[bytes] | None:
+        self.transfer.write(reg.peer, src, reg.dst_slots)
+        return self.transfer.payload(src)
+
+    def _finish_transfers(self) -> None:
+        keep = []
+        for req, identity, reg, future in self.inflight:
+            if not future.done():
+                keep.append((req, identity, reg, future))
+                continue
+            try:
+                payload = future.result()
+            except Exception as e:  # noqa: BLE001 - reported to both sides, never raised
+                logger.error("KV transfer for room %d failed: %s", reg.room, e)
+                self._reply(identity, reg.room, f"KV transfer failed: {e}")
+                self.scheduler.tree_cache.cache_finished_req(req)
+                self._fail(req, f"KV transfer failed: {e}")
+                continue
+            done = KVTransferDone(
+                reg.room, True, req.output_ids[0], req.cached_tokens, payload=payload
+            )
+            self.server.send(identity, done)
+            req.kv_poll = KVPoll.Success
+            self.scheduler.tree_cache.cache_finished_req(req)
+            self.scheduler.emit([req])
+        self.inflight = keep
+
+    def _reply(self, identity: bytes, room: int, error: str) -> None:
+        self.server.send(identity, KVTransferDone(room, False, error=error))
+
+    def _fail(self, req: Req, message: str) -> None:
+        req.kv_poll = KVPoll.Failed
+        self.scheduler.fail_request(req, message, 500)

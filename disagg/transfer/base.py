@@ -1,0 +1,36 @@
+"""A transfer backend moves KV slots from this (prefill) server's pool into a peer's
+(decode) pool. The pool memory is registered once at startup; a transfer moves only the
+slots of one request."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from disagg.base import KVArgs
+
+
+class TransferError(RuntimeError):
+    pass
+
+
+class TransferBackend(ABC):
+    def __init__(self, kv: KVArgs, host: str) -> None:
+        self.kv = kv
+        self.host = host
+
+    @abstractmethod
+    def peer_info(self) -> dict[str, Any]:
+        """What a prefill server needs to write into this server's pool (sent in KVRegister)."""
+
+    @abstractmethod
+    def write(self, peer: dict[str, Any], src_slots: list[int], dst_slots: list[int]) -> None:
+        """Copy every layer's K and V at `src_slots` here to `dst_slots` at `peer`; raise
+        `TransferError` on failure."""
+
+    def payload(self, src_slots: list[int]) -> list[bytes] | None:
+        """Backends that ship KV inside the done message (loopback) return it here."""
+        return None
+
+    def receive_payload(self, dst_slots: list[int], payload: list[bytes]) -> None:
+        raise TransferError(f"{type(self).__name__} does not take KV payloads")

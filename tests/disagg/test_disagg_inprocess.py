@@ -1,0 +1,134 @@
+"""Prefill/decode disaggregation with both schedulers in this process (no HTTP): outputs equal
+an aggregated run, for the loopback and mooncake backends and both event loops; failures
+finish requests with errors and free every slot on both sides."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from disagg.base import KVPoll, slot_runs
+from managers.inprocess import InProcessDriver
+from srt.server_args import ServerArgs
+
+pytestmark = pytest.mark.slow
+
+TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "1, 2, 3, 4,",
+    "Once upon a time, in a small village by the sea, there lived",
+    "The quick brown fox jumps over the lazy dog. " * 5,
+    "Photosynthesis is the process by which plants",
+]
+PARAMS = {"max_new_tokens": 16, "temperature": 0}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pair(
+    backend: str, overlap: bool = True, **extra
+) -> tuple[InProcessDriver, InProcessDriver, int]:
+    port = free_port()
+    common = dict(
+        dtype="float32",
+        max_total_tokens=8192,
+        disaggregation_transfer_backend=backend,
+        disaggregation_bootstrap_port=port,
+        disable_overlap_schedule=not overlap,
+        **extra,
+    )
+    prefill = InProcessDriver(ServerArgs(disaggregation_mode="prefill", **common))
+    decode = InProcessDriver(ServerArgs(disaggregation_mode="decode", **common))
+    return prefill, decode, port
+
+
+def run_pair(prefill, decode, port, texts, params=PARAMS, send_to_prefill=True, rooms=None):
+    rids = []
+    for i, text in enumerate(texts):
+        boot = ("127.0.0.1", port, (rooms or {}).get(i, 5000 + i))
+        if send_to_prefill:
+            prefill.submit(None, dict(params), text=text, bootstrap=boot)
+        rids += decode.submit(None, dict(params), text=text, bootstrap=boot)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if prefill is not None:
+            prefill.step()
+        decode.step()
+        if decode.scheduler.is_idle() and (prefill is None or prefill.scheduler.is_idle()):
+            break
+    return [decode.result(r) for r in rids]
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    agg = InProcessDriver(ServerArgs(dtype="float32", max_total_tokens=8192))
+    return [o["output_ids"] for o in agg.generate(TEXTS, PARAMS)]
+
+
+@pytest.mark.parametrize(
+    ("backend", "overlap"), [("loopback", True), ("loopback", False), ("mooncake", True)]
+)
+def test_disaggregated_equals_aggregated(reference, backend: str, overlap: bool) -> None:
+    if backend == "mooncake":
+        pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine-non-cuda")
+    prefill, decode, port = pair(backend, overlap)
+    outs = run_pair(prefill, decode, port, TEXTS)
+    assert [o["output_ids"] for o in outs] == reference
+    assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
+    for d in (prefill, decode):
+        d.scheduler.check_memory()
+        assert d.scheduler.token_usage() == 0
+    # The prefill side keeps the prompts in its own radix cache: a repeat hits it.
+    again = run_pair(prefill, decode, port, TEXTS[:1], rooms={0: 9999})
+    assert again[0]["output_ids"] == reference[0]
+
+
+def test_missing_prefill_times_out_and_frees(reference) -> None:
+    """No prefill server answers: the decode side gives up after the timeout, frees the
+    pre-allocated slots, and then serves ordinary (aggregated) requests."""
+    _, decode, port = pair("loopback", disaggregation_timeout=1.0)
+    tic = time.monotonic()
+    outs = run_pair(None, decode, port, TEXTS[:2], send_to_prefill=False)
+    assert time.monotonic() - tic < 10
+    for o in outs:
+        reason = o["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and "timed out" in reason["message"]
+    decode.scheduler.check_memory()
+    assert decode.scheduler.token_usage() == 0
+    assert decode.generate(TEXTS[:1], PARAMS)[0]["output_ids"] == reference[0]
+
+
+def test_prefill_without_decode_times_out() -> None:
+    prefill, _, _ = pair("loopback", disaggregation_timeout=0.5)
+    [rid] = prefill.submit(None, dict(PARAMS), text=TEXTS[0], bootstrap=("127.0.0.1", 1, 7))
+    prefill.run_until_idle()
+    reason = prefill.result(rid)["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "no decode server" in reason["message"]
+    prefill.scheduler.check_memory()
+
+
+def test_abort_while_waiting_for_kv_frees_slots() -> None:
+    _, decode, port = pair("loopback", disaggregation_timeout=30.0)
+    [rid] = decode.submit(None, dict(PARAMS), text=TEXTS[3], bootstrap=("127.0.0.1", port, 42))
+    decode.step()
+    assert decode.scheduler.disagg.transfer_queue  # slots held, waiting for the prefill side
+    decode.abort(rid)
+    decode.run_until_idle()
+    assert decode.result(rid)["meta_info"]["finish_reason"]["type"] == "abort"
+    decode.scheduler.check_memory()
+    assert decode.scheduler.allocator.available_size() == decode.scheduler.max_total_tokens
+
+
+def test_kvpoll_states_and_slot_runs() -> None:
+    assert [s.name for s in sorted(KVPoll)] == [
+        "Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success",
+    ]  # fmt: skip
+    assert slot_runs([5, 6, 7, 20, 21], [100, 101, 102, 8, 9]) == [(5, 100, 3), (20, 8, 2)]
+    assert slot_runs([1, 2, 3], [10, 12, 13]) == [(1, 10, 1), (2, 12, 2)]
