@@ -47,8 +47,8 @@ def alive(pid: int) -> bool:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, log_path: Path | None = None) -> None:
-        self.port = free_port()
+    def __init__(self, *args: str, log_path: Path | None = None, port: int | None = None) -> None:
+        self.port = port if port is not None else free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "srt.launch_server", "--port", str(self.port), *args]
         self.log_path = log_path

@@ -1,0 +1,81 @@
+"""A prefill server, a decode server and sglang-router in PD mode, as real processes."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+from tests.server.server_process import ServerProcess, free_port
+
+ROUTER_TIMEOUT_S = 120.0
+
+
+class PDCluster:
+    def __init__(self, backend: str, log_dir: Path, *extra: str) -> None:
+        self.backend = backend
+        self.log_dir = log_dir
+        self.bootstrap_port = free_port()
+        self.extra = extra
+        self.prefill = self.start_prefill()
+        self.decode = ServerProcess(
+            *self.common(), "--disaggregation-mode", "decode", log_path=log_dir / "decode.log"
+        )
+        self.router_port = free_port()
+        self.url = f"http://127.0.0.1:{self.router_port}"
+        cmd = [
+            sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+            "--prefill", self.prefill.url, str(self.bootstrap_port),
+            "--decode", self.decode.url,
+            "--host", "127.0.0.1", "--port", str(self.router_port),
+            "--disable-retries", "--disable-circuit-breaker",
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+        ]  # fmt: skip
+        self.router_log = open(log_dir / "router.log", "w")  # noqa: SIM115
+        self.router = subprocess.Popen(cmd, stdout=self.router_log, stderr=subprocess.STDOUT)
+        self.wait_router()
+
+    def common(self) -> tuple[str, ...]:
+        return (
+            "--dtype", "float32", "--max-total-tokens", "16384",
+            "--disaggregation-transfer-backend", self.backend,
+            "--disaggregation-bootstrap-port", str(self.bootstrap_port),
+            *self.extra,
+        )  # fmt: skip
+
+    def start_prefill(self, port: int | None = None) -> ServerProcess:
+        args = [*self.common(), "--disaggregation-mode", "prefill"]
+        log = self.log_dir / f"prefill-{time.monotonic_ns()}.log"
+        if port is None:
+            return ServerProcess(*args, log_path=log)
+        return ServerProcess(*args, log_path=log, port=port)
+
+    def wait_router(self) -> None:
+        deadline = time.monotonic() + ROUTER_TIMEOUT_S
+        body = {"text": "Hi", "sampling_params": {"max_new_tokens": 2}}
+        while time.monotonic() < deadline:
+            if self.router.poll() is not None:
+                raise RuntimeError(f"router exited: {self.router.returncode}")
+            try:
+                r = requests.post(self.url + "/generate", json=body, timeout=30)
+                if r.status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError("router never served a request")
+
+    def stop(self) -> None:
+        if self.router.poll() is None:
+            self.router.send_signal(signal.SIGTERM)
+            try:
+                self.router.wait(20)
+            except subprocess.TimeoutExpired:
+                self.router.kill()
+        self.router_log.close()
+        for srv in (self.prefill, self.decode):
+            srv.stop()
