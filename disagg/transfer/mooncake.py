@@ -15,6 +15,9 @@ from disagg.base import KVArgs, slot_runs
 from disagg.transfer.base import TransferBackend, TransferError
 
 
+MAX_BATCH_ENTRIES = 1024
+
+
 class MooncakeTransfer(TransferBackend):
     def __init__(self, kv: KVArgs, host: str) -> None:
         super().__init__(kv, host)
@@ -45,6 +48,13 @@ class MooncakeTransfer(TransferBackend):
                 srcs.append(base + s * item)
                 dsts.append(dst_base + d * item)
                 lens.append(n * item)
-        rc = self.engine.batch_transfer_sync_write(peer["session_id"], srcs, dsts, lens)
-        if rc != 0:
-            raise TransferError(f"mooncake: batch write to {peer['session_id']} failed ({rc})")
+        # The engine caps the entries of one batch; a fragmented pool makes many runs.
+        for i in range(0, len(srcs), MAX_BATCH_ENTRIES):
+            part = slice(i, i + MAX_BATCH_ENTRIES)
+            rc = self.engine.batch_transfer_sync_write(
+                peer["session_id"], srcs[part], dsts[part], lens[part]
+            )
+            if rc != 0:
+                raise TransferError(
+                    f"mooncake: batch write to {peer['session_id']} failed ({rc})"
+                )
