@@ -17,6 +17,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,8 +47,17 @@ class OverlapWorker:
         self.next_slot = 1  # slot 0 is never named: -0 is not a placeholder
         self.inputs: queue.Queue[tuple[ModelWorkerBatch, int] | None] = queue.Queue()
         self.outputs: queue.Queue[LaunchedForward] = queue.Queue()
-        self.thread = threading.Thread(target=self._run, name="radixrt-forward", daemon=True)
+        # The thread holds only a weak reference, so a dropped scheduler frees its model and
+        # KV pool; the finalizer then ends the thread.
+        device = torch.device(getattr(worker, "device", "cpu"))
+        self.thread = threading.Thread(
+            target=_forward_loop,
+            args=(weakref.ref(self), self.inputs, self.outputs, device),
+            name="radixrt-forward",
+            daemon=True,
+        )
         self.thread.start()
+        weakref.finalize(self, self.inputs.put, None)
 
     def get_memory_pool(self) -> Any:
         return self.worker.get_memory_pool()
@@ -74,33 +84,41 @@ class OverlapWorker:
         self.inputs.put(None)
 
     # ---- forward thread ------------------------------------------------------------
-    def _run(self) -> None:
-        device = torch.device(getattr(self.worker, "device", "cpu"))
-        if device.type == "cuda":
-            # Forwards go on a stream of their own, off the scheduler's default stream.
-            torch.cuda.set_stream(torch.cuda.Stream(device))
-        last_end = time.perf_counter()
-        while True:
-            item = self.inputs.get()
-            if item is None:
-                return
-            mwb, first = item
-            start = time.perf_counter()
-            done = LaunchedForward(wait_s=start - last_end)
-            try:
-                self._resolve_placeholders(mwb)
-                result = self.worker.forward_batch_generation(mwb)
-                ids = torch.tensor(result.next_token_ids, dtype=torch.int64)
-                self.future_map[first : first + len(ids)] = ids
-                done.result = result
-            except BaseException as e:  # noqa: BLE001 - handed to the scheduler thread
-                done.error = e
-            last_end = time.perf_counter()
-            done.forward_s = last_end - start
-            self.outputs.put(done)
+    def run_one(self, mwb: ModelWorkerBatch, first: int, done: LaunchedForward) -> None:
+        try:
+            self._resolve_placeholders(mwb)
+            result = self.worker.forward_batch_generation(mwb)
+            ids = torch.tensor(result.next_token_ids, dtype=torch.int64)
+            self.future_map[first : first + len(ids)] = ids
+            done.result = result
+        except BaseException as e:  # noqa: BLE001 - handed to the scheduler thread
+            done.error = e
 
     def _resolve_placeholders(self, mwb: ModelWorkerBatch) -> None:
         ids = mwb.input_ids
         future = ids < 0
         if bool(future.any()):
             ids[future] = self.future_map[-ids[future]]
+
+
+def _forward_loop(
+    owner_ref: weakref.ref[OverlapWorker],
+    inputs: queue.Queue[tuple[ModelWorkerBatch, int] | None],
+    outputs: queue.Queue[LaunchedForward],
+    device: torch.device,
+) -> None:
+    if device.type == "cuda":
+        # Forwards go on a stream of their own, off the scheduler's default stream.
+        torch.cuda.set_stream(torch.cuda.Stream(device))
+    last_end = time.perf_counter()
+    while (item := inputs.get()) is not None:
+        owner = owner_ref()
+        if owner is None:
+            return
+        start = time.perf_counter()
+        done = LaunchedForward(wait_s=start - last_end)
+        owner.run_one(*item, done)
+        del owner  # no strong reference while waiting for the next batch
+        last_end = time.perf_counter()
+        done.forward_s = last_end - start
+        outputs.put(done)

@@ -19,6 +19,16 @@ def default_model_path() -> str:
     return resolve_model_path(None)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _collect_garbage_after_module() -> Iterator[None]:
+    """Models of finished test modules are freed at once (schedulers and their drivers form
+    reference cycles, which the collector would otherwise reach only eventually)."""
+    yield
+    import gc
+
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     from tests.server.server_process import ServerProcess
