@@ -19,10 +19,11 @@ def default_model_path() -> str:
     return resolve_model_path(None)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _collect_garbage_after_module() -> Iterator[None]:
-    """Models of finished test modules are freed at once (schedulers and their drivers form
-    reference cycles, which the collector would otherwise reach only eventually)."""
+@pytest.fixture(autouse=True)
+def _collect_garbage_after_test() -> Iterator[None]:
+    """Models a test dropped are freed at once: schedulers and their drivers form reference
+    cycles, which the collector would otherwise reach only eventually (a dozen dropped
+    models is over 10 GB)."""
     yield
     import gc
 

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.slow
 
 
 def driver(overlap: bool, **args) -> InProcessDriver:
+    args.setdefault("max_total_tokens", 65536)  # W1 needs ~50k; not 30% of the machine's RAM
     return InProcessDriver(
         ServerArgs(dtype="bfloat16", disable_overlap_schedule=not overlap, **args)
     )
