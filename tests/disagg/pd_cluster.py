@@ -10,7 +10,7 @@ from pathlib import Path
 
 import requests
 
-from tests.server.server_process import ServerProcess, free_port
+from tests.server.server_process import ServerProcess, die_with_parent, free_port
 
 ROUTER_TIMEOUT_S = 120.0
 
@@ -22,9 +22,13 @@ class PDCluster:
         self.bootstrap_port = free_port()
         self.extra = extra
         self.prefill = self.start_prefill()
-        self.decode = ServerProcess(
-            *self.common(), "--disaggregation-mode", "decode", log_path=log_dir / "decode.log"
-        )
+        try:
+            self.decode = ServerProcess(
+                *self.common(), "--disaggregation-mode", "decode", log_path=log_dir / "decode.log"
+            )
+        except BaseException:
+            self.prefill.stop()
+            raise
         self.router_port = free_port()
         self.url = f"http://127.0.0.1:{self.router_port}"
         cmd = [
@@ -36,8 +40,17 @@ class PDCluster:
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
         ]  # fmt: skip
         self.router_log = open(log_dir / "router.log", "w")  # noqa: SIM115
-        self.router = subprocess.Popen(cmd, stdout=self.router_log, stderr=subprocess.STDOUT)
-        self.wait_router()
+        self.router = subprocess.Popen(
+            cmd,
+            stdout=self.router_log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent,  # noqa: PLW1509 - only a prctl
+        )
+        try:
+            self.wait_router()
+        except BaseException:
+            self.stop()  # never leave servers behind a failed start
+            raise
 
     def common(self) -> tuple[str, ...]:
         return (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -19,6 +20,11 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def die_with_parent() -> None:
+    """In the child before exec: SIGKILL it if the test process dies (no stray servers)."""
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def child_pids(pid: int) -> list[int]:
@@ -53,7 +59,12 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "srt.launch_server", "--port", str(self.port), *args]
         self.log_path = log_path
         self.log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent,  # noqa: PLW1509 - only a prctl
+        )
         self.children: list[int] = []
         self.wait_ready()
 
