@@ -34,6 +34,7 @@ class PrefillDisagg:
         self.server = BootstrapServer(args.host, args.disaggregation_bootstrap_port)
         self.layout = kv.layout()
         self.registrations: dict[int, tuple[bytes, KVRegister, float]] = {}
+        self.claimed: dict[int, tuple[bytes, KVRegister]] = {}
         self.bootstrap_queue: list[tuple[Req, float]] = []
         self.inflight: list[tuple[Req, bytes, KVRegister, Future[list[bytes] | None]]] = []
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="kv-transfer")
@@ -73,6 +74,10 @@ class PrefillDisagg:
             room = req.bootstrap[2]
             entry = self.registrations.get(room)
             if entry is not None and len(entry[1].dst_slots) == len(req.origin_input_ids):
+                # Claimed: the registration now travels with the request, so the cleanup of
+                # unclaimed registrations below can never take it from under a prefill.
+                del self.registrations[room]
+                self.claimed[room] = entry[:2]
                 req.kv_poll = KVPoll.WaitingForInput
                 self.scheduler.waiting_queue.append(req)
             elif entry is not None:
@@ -87,7 +92,7 @@ class PrefillDisagg:
 
     def on_prefilled(self, req: Req) -> None:
         """The request's prompt KV and first token exist: start writing them to decode."""
-        identity, reg, _ = self.registrations.pop(req.bootstrap[2])
+        identity, reg = self.claimed.pop(req.bootstrap[2])
         row = req.req_pool_idx
         n = len(req.origin_input_ids)
         src = self.scheduler.req_to_token_pool.req_to_token[row, :n].tolist()

@@ -14,7 +14,6 @@ from typing import Any
 from disagg.base import KVArgs, slot_runs
 from disagg.transfer.base import TransferBackend, TransferError
 
-
 MAX_BATCH_ENTRIES = 1024
 
 
@@ -55,6 +54,4 @@ class MooncakeTransfer(TransferBackend):
                 peer["session_id"], srcs[part], dsts[part], lens[part]
             )
             if rc != 0:
-                raise TransferError(
-                    f"mooncake: batch write to {peer['session_id']} failed ({rc})"
-                )
+                raise TransferError(f"mooncake: batch write to {peer['session_id']} failed ({rc})")
