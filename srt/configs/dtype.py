@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -51,9 +52,19 @@ def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> frozenset[str]:
     return frozenset()
 
 
+# oneDNN ISA caps (``ONEDNN_MAX_CPU_ISA``) below which oneDNN runs no native bf16 kernel.
+_ONEDNN_ISAS_WITHOUT_BF16 = frozenset(
+    {"sse41", "avx", "avx2", "avx2_vnni", "avx2_vnni_2", "avx512_core", "avx512_core_vnni"}
+)
+
+
 @functools.cache
 def cpu_has_fast_bf16() -> bool:
-    """True where the CPU has native bf16 matmul instructions (AMX or AVX512-BF16)."""
+    """True where the CPU has native bf16 matmul instructions (AMX or AVX512-BF16) and oneDNN
+    may use them: ``ONEDNN_MAX_CPU_ISA=AVX2`` (how the test suite emulates an AVX2-only CPU)
+    makes bf16 matmuls as slow as on such a CPU, so ``auto`` must not pick bf16 then."""
+    if os.environ.get("ONEDNN_MAX_CPU_ISA", "").lower() in _ONEDNN_ISAS_WITHOUT_BF16:
+        return False
     flags = cpu_flags()
     if flags:
         return bool(flags & _FAST_BF16_FLAGS)

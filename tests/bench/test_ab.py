@@ -16,7 +16,7 @@ def test_ab_radix_preset(tmp_path) -> None:
     record = ab.main(
         [
             "--preset", "radix",
-            "--server-args", "--dtype bfloat16 --max-total-tokens 8192",
+            "--server-args", "--max-total-tokens 8192",
             "--out-dir", str(tmp_path),
             "--dataset-name", "generated-shared-prefix",
             "--gsp-num-groups", "2",

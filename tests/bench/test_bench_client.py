@@ -16,7 +16,12 @@ from bench.datasets import DatasetRow
 from bench.serving_backends import BACKENDS, RequestResult, send_request
 from tests.bench.fake_server import FakeStreamingServer, Script
 
-SLACK = 0.15  # seconds of scheduling noise allowed on a shared 2-core machine
+# A loaded 2-core machine can deliver a chunk late, which lengthens the gap before it and
+# shortens the one after: single gaps have no lower bound. What holds whatever the load: the
+# first chunk never arrives before the server's first delay, the last never before all its
+# sleeps, and the client's arithmetic (a 2-token chunk is two equal gaps; TTFT plus the gaps
+# is the time of the last chunk). Upper bounds only catch a client that waits for nothing.
+SLACK = 2.0
 
 
 class WordTokenizer:
@@ -42,17 +47,22 @@ def run(url: str, backend: str, prompts: list[str], **kwargs: object) -> dict:
     return asyncio.run(benchmark(backend, url, rows, model="m", **kwargs))  # type: ignore[arg-type]
 
 
+def assert_timings(r: RequestResult, first_delay: float, sleeps: float) -> None:
+    """Bounds that hold on a loaded machine (see SLACK)."""
+    assert first_delay <= r.ttft < first_delay + SLACK
+    assert all(x > 0 for x in r.itl)
+    last_chunk = r.ttft + sum(r.itl)
+    assert sleeps <= last_chunk <= r.latency < sleeps + SLACK
+
+
 def test_native_ttft_itl_and_counts() -> None:
     script = Script(chunks=[1, 2, 1], first_delay=0.2, gap=0.1, prompt_tokens=40, cached_tokens=30)
     with FakeStreamingServer({"p": script}) as srv:
         r = one_request(srv.url, "radixrt", "p")
     assert r.success, r.error
-    assert 0.2 <= r.ttft < 0.2 + SLACK
-    # The 2-token chunk after a 0.1 s gap counts as two gaps of 0.05 s.
-    assert len(r.itl) == 3
-    assert r.itl[0] == r.itl[1] and 0.05 <= r.itl[0] < 0.05 + SLACK
-    assert 0.1 <= r.itl[2] < 0.1 + SLACK
-    assert 0.4 <= r.latency < 0.4 + SLACK
+    assert_timings(r, first_delay=0.2, sleeps=0.4)
+    # The 2-token chunk after a 0.1 s gap counts as two equal gaps.
+    assert len(r.itl) == 3 and r.itl[0] == r.itl[1]
     assert (r.prompt_len, r.output_len, r.cached_tokens) == (40, 4, 30)
     assert r.text == "tok " * 4
 
@@ -71,8 +81,8 @@ def test_openai_chunks_and_usage(backend: str) -> None:
     with FakeStreamingServer({"p": script}) as srv:
         r = one_request(srv.url, backend, "p")
     assert r.success, r.error
-    assert 0.1 <= r.ttft < 0.1 + SLACK
-    assert len(r.itl) == 2 and all(0.05 <= x < 0.05 + SLACK for x in r.itl)
+    assert_timings(r, first_delay=0.1, sleeps=0.2)
+    assert len(r.itl) == 2
     assert (r.prompt_len, r.output_len, r.cached_tokens) == (9, 3, 4)
 
 

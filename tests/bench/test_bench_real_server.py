@@ -20,9 +20,7 @@ GSP = [
 
 @pytest.mark.slow
 def test_gsp_workload_on_real_server(tmp_path: Path) -> None:
-    srv = ServerProcess(
-        "--max-total-tokens", "8192", "--dtype", "bfloat16", log_path=tmp_path / "server.log"
-    )
+    srv = ServerProcess("--max-total-tokens", "8192", log_path=tmp_path / "server.log")
     try:
         results = {}
         for backend in ("radixrt", "openai"):

@@ -1,4 +1,4 @@
-"""One bf16 driver with the default model for the whole folder: loading it costs seconds, so
+"""One driver with the default model (auto dtype, overlap loop) for the whole folder: loading it costs seconds, so
 the tests share it and batch their requests into few `generate` calls."""
 
 from __future__ import annotations
@@ -10,6 +10,6 @@ from tests.constrained.helpers import make_driver
 
 
 @pytest.fixture(scope="package")
-def bf16() -> InProcessDriver:
-    """The default configuration: bfloat16, overlap loop."""
+def default_driver() -> InProcessDriver:
+    """The default configuration: the auto dtype, overlap loop."""
     return make_driver()

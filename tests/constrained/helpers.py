@@ -13,7 +13,6 @@ from srt.server_args import ServerArgs
 
 
 def make_driver(**args: Any) -> InProcessDriver:
-    args.setdefault("dtype", "bfloat16")
     args.setdefault("max_total_tokens", 32768)
     return InProcessDriver(ServerArgs(**args))
 

@@ -32,21 +32,21 @@ GOOD_SCHEMA = {
 }
 
 
-def test_invalid_grammars_abort_with_400_others_unaffected(bf16: InProcessDriver) -> None:
-    good_prompt = chat(bf16, "Give me a JSON object naming the capital of France.")
-    free_prompt = chat(bf16, "What is the capital of France? Answer in one word.")
+def test_invalid_grammars_abort_with_400_others_unaffected(default_driver: InProcessDriver) -> None:
+    good_prompt = chat(default_driver, "Give me a JSON object naming the capital of France.")
+    free_prompt = chat(default_driver, "What is the capital of France? Answer in one word.")
     prompts, params = [], []
     for kind, spec, _ in INVALID:
         # Interleave: a valid constrained and an unconstrained request around each bad one.
-        prompts += [good_prompt, chat(bf16, "Hello!"), free_prompt]
+        prompts += [good_prompt, chat(default_driver, "Hello!"), free_prompt]
         params += [
             {"max_new_tokens": 64, "temperature": 0, "json_schema": json.dumps(GOOD_SCHEMA)},
             {"max_new_tokens": 64, "temperature": 0, kind: spec},
             {"max_new_tokens": 16, "temperature": 0},
         ]
-    outs = bf16.generate(prompts, params)
+    outs = default_driver.generate(prompts, params)
 
-    backend = bf16.scheduler.grammar_backend
+    backend = default_driver.scheduler.grammar_backend
     for i, (kind, spec, words) in enumerate(INVALID):
         good, bad, free = outs[3 * i : 3 * i + 3]
         reason = bad["meta_info"]["finish_reason"]
@@ -57,28 +57,28 @@ def test_invalid_grammars_abort_with_400_others_unaffected(bf16: InProcessDriver
         assert words in reason["message"] and ".cc:" not in reason["message"], reason
         assert bad["output_ids"] == []
 
-        assert_valid_json(bf16, good, GOOD_SCHEMA)
+        assert_valid_json(default_driver, good, GOOD_SCHEMA)
         assert free["meta_info"]["finish_reason"]["type"] in ("stop", "length")
         assert "Paris" in free["text"], free["text"]
     # The failed compile stays cached, so the same invalid spec is not compiled again.
     for kind, spec, _ in INVALID:
         assert isinstance(backend.cache[GrammarKey(kind, spec)].exception(), GrammarError)
-    bf16.scheduler.check_memory()
+    default_driver.scheduler.check_memory()
 
 
-def test_two_constraints_on_one_request_are_refused(bf16: InProcessDriver) -> None:
-    sched = bf16.scheduler
-    n_outputs = len(bf16.outputs)
+def test_two_constraints_on_one_request_are_refused(default_driver: InProcessDriver) -> None:
+    sched = default_driver.scheduler
+    n_outputs = len(default_driver.outputs)
     with pytest.raises(ValueError, match="only one of json_schema, regex, ebnf"):
-        bf16.submit(None, {"regex": "a+", "ebnf": 'root ::= "a"'}, text="hi")
+        default_driver.submit(None, {"regex": "a+", "ebnf": 'root ::= "a"'}, text="hi")
     with pytest.raises(ValueError, match="only one of json_schema, regex, ebnf"):
-        bf16.generate(["hi"], {"json_schema": json.dumps(GOOD_SCHEMA), "regex": "a+"})
-    assert len(bf16.outputs) == n_outputs, "a refused request was registered"
+        default_driver.generate(["hi"], {"json_schema": json.dumps(GOOD_SCHEMA), "regex": "a+"})
+    assert len(default_driver.outputs) == n_outputs, "a refused request was registered"
     assert not sched.grammar_queue and not sched.waiting_queue
     # The driver keeps working.
-    [out] = bf16.generate(
-        [chat(bf16, "Give me a JSON object naming a city.")],
+    [out] = default_driver.generate(
+        [chat(default_driver, "Give me a JSON object naming a city.")],
         {"max_new_tokens": 64, "temperature": 0, "json_schema": json.dumps(GOOD_SCHEMA)},
     )
-    assert_valid_json(bf16, out, GOOD_SCHEMA)
+    assert_valid_json(default_driver, out, GOOD_SCHEMA)
     sched.check_memory()

@@ -15,39 +15,39 @@ from tests.constrained.schemas import SCHEMAS
 pytestmark = pytest.mark.slow
 
 
-def test_twenty_schemas_greedy_and_sampled(bf16: InProcessDriver) -> None:
-    prompts = [chat(bf16, f"Give me a JSON object describing {desc}.") for desc, _ in SCHEMAS]
+def test_twenty_schemas_greedy_and_sampled(default_driver: InProcessDriver) -> None:
+    prompts = [chat(default_driver, f"Give me a JSON object describing {desc}.") for desc, _ in SCHEMAS]
     params = [
         {"max_new_tokens": 256, "temperature": t, "seed": 3, "json_schema": json.dumps(s)}
         for t in (0.0, 0.8)
         for _, s in SCHEMAS
     ]
-    outs = bf16.generate(prompts * 2, params)
+    outs = default_driver.generate(prompts * 2, params)
     for i, out in enumerate(outs):
-        assert_valid_json(bf16, out, SCHEMAS[i % len(SCHEMAS)][1])
+        assert_valid_json(default_driver, out, SCHEMAS[i % len(SCHEMAS)][1])
     # any_whitespace=False: compact separators only, no newlines or indentation.
     assert not any("\n" in out["text"] for out in outs)
-    bf16.scheduler.check_memory()
+    default_driver.scheduler.check_memory()
 
 
-def test_parallel_sampling_gives_n_valid_outputs(bf16: InProcessDriver) -> None:
+def test_parallel_sampling_gives_n_valid_outputs(default_driver: InProcessDriver) -> None:
     desc, schema = SCHEMAS[0]
     params = {"max_new_tokens": 256, "temperature": 0.8, "seed": 11, "n": 3}
-    outs = bf16.generate(
-        [chat(bf16, f"Give me a JSON object describing {desc}.")],
+    outs = default_driver.generate(
+        [chat(default_driver, f"Give me a JSON object describing {desc}.")],
         {**params, "json_schema": json.dumps(schema)},
     )
     assert len(outs) == 3
     for out in outs:
-        assert_valid_json(bf16, out, schema)
+        assert_valid_json(default_driver, out, schema)
     assert len({out["text"] for out in outs}) > 1, "three samples, all identical"
-    bf16.scheduler.check_memory()
+    default_driver.scheduler.check_memory()
 
 
 def test_compile_cache_one_future_per_distinct_spec(
-    bf16: InProcessDriver, monkeypatch: pytest.MonkeyPatch
+    default_driver: InProcessDriver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    backend = bf16.scheduler.grammar_backend
+    backend = default_driver.scheduler.grammar_backend
     compiled: list[GrammarKey] = []
     real_compile = backend.compile
 
@@ -72,12 +72,12 @@ def test_compile_cache_one_future_per_distinct_spec(
     assert not any(k in backend.cache for k in keys)
     before = dict(backend.cache)
 
-    prompt = chat(bf16, "Give me a JSON object.")
+    prompt = chat(default_driver, "Give me a JSON object.")
     params = [
         {"max_new_tokens": 32, "temperature": 0.8, "seed": i, "json_schema": specs[i % 2]}
         for i in range(6)
     ]
-    outs = bf16.generate([prompt] * 6, params)
+    outs = default_driver.generate([prompt] * 6, params)
 
     assert [json.loads(o["text"]) for o in outs] == [{"cache_probe": i % 2} for i in range(6)]
     assert sorted(compiled) == sorted(keys), "six requests, two distinct schemas: two compiles"
@@ -87,4 +87,4 @@ def test_compile_cache_one_future_per_distinct_spec(
         future = backend.cache[key]
         assert future.done() and future.exception() is None
         assert backend.compile_async(key) is future
-    bf16.scheduler.check_memory()
+    default_driver.scheduler.check_memory()

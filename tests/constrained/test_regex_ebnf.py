@@ -29,7 +29,7 @@ def test_parsers_reject_what_the_grammars_reject() -> None:
             parse_kv(bad)
 
 
-def test_regex_and_ebnf_outputs_match(bf16: InProcessDriver) -> None:
+def test_regex_and_ebnf_outputs_match(default_driver: InProcessDriver) -> None:
     cases: list[tuple[str, dict, object]] = []
     for regex, prompt in REGEXES:
         cases.append((prompt, {"regex": regex}, lambda t, r=regex: re.fullmatch(r, t)))
@@ -50,13 +50,13 @@ def test_regex_and_ebnf_outputs_match(bf16: InProcessDriver) -> None:
     prompts, params = [], []
     for temperature in (0.0, 0.8):
         for prompt, constraint, _ in cases:
-            prompts.append(chat(bf16, prompt))
+            prompts.append(chat(default_driver, prompt))
             params.append(
                 {"max_new_tokens": 128, "temperature": temperature, "seed": 5, **constraint}
             )
-    outs = bf16.generate(prompts, params)
+    outs = default_driver.generate(prompts, params)
     for i, out in enumerate(outs):
         _, constraint, check = cases[i % len(cases)]
-        assert_stopped_at_eos(bf16, out)
+        assert_stopped_at_eos(default_driver, out)
         assert check(out["text"]), (constraint, out["text"])
-    bf16.scheduler.check_memory()
+    default_driver.scheduler.check_memory()

@@ -16,7 +16,7 @@ from tests.server.server_process import ServerProcess, alive
 
 pytestmark = pytest.mark.slow
 
-SMALL = ("--max-total-tokens", "4096", "--dtype", "bfloat16")
+SMALL = ("--max-total-tokens", "4096")
 
 
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"

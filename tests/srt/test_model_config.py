@@ -65,6 +65,20 @@ def test_cpu_flags(tmp_path: Path) -> None:
     assert isinstance(dtype_mod.cpu_has_fast_bf16(), bool)
 
 
+@pytest.mark.parametrize(("isa", "capped"), [("AVX2", True), ("avx512_core", True), ("", False)])
+def test_onednn_isa_cap_turns_fast_bf16_off(
+    monkeypatch: pytest.MonkeyPatch, isa: str, capped: bool
+) -> None:
+    """ONEDNN_MAX_CPU_ISA below AVX512_CORE_BF16 makes bf16 matmuls slow: auto avoids them."""
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+    dtype_mod.cpu_has_fast_bf16.cache_clear()
+    try:
+        monkeypatch.setattr(dtype_mod, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+        assert dtype_mod.cpu_has_fast_bf16() is not capped
+    finally:
+        dtype_mod.cpu_has_fast_bf16.cache_clear()
+
+
 def test_to_torch_dtype() -> None:
     assert to_torch_dtype("bfloat16") == torch.bfloat16
     assert to_torch_dtype("torch.float16") == torch.float16
