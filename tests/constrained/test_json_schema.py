@@ -16,7 +16,9 @@ pytestmark = pytest.mark.slow
 
 
 def test_twenty_schemas_greedy_and_sampled(default_driver: InProcessDriver) -> None:
-    prompts = [chat(default_driver, f"Give me a JSON object describing {desc}.") for desc, _ in SCHEMAS]
+    prompts = [
+        chat(default_driver, f"Give me a JSON object describing {desc}.") for desc, _ in SCHEMAS
+    ]
     params = [
         {"max_new_tokens": 256, "temperature": t, "seed": 3, "json_schema": json.dumps(s)}
         for t in (0.0, 0.8)
