@@ -86,6 +86,9 @@ class ServerArgs:
         ["auto", "torch_native", "flashinfer"],
     )
     disable_cuda_graph: bool = _opt(False, "run decode eagerly instead of replaying CUDA graphs")
+    disable_cpu_weight_prepack: bool = _opt(
+        False, "CPU: plain F.linear instead of oneDNN-prepacked matmul weights"
+    )
     cuda_graph_max_bs: int = _opt(
         160, "largest decode batch captured in a CUDA graph (1, 2, 4, 8, then every 8)"
     )

@@ -9,14 +9,15 @@ places HF's separate `q_proj` / `k_proj` / `v_proj` (shard ids "q", "k", "v") or
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from srt.layers.cpu_packed import PackedWeightMixin
 from srt.layers.weight_utils import copy_into_shard, default_weight_loader, set_weight_loader
 
 
-class LinearBase(nn.Module):
-    """y = x @ W.T + b with W [output_size, input_size]."""
+class LinearBase(PackedWeightMixin, nn.Module):
+    """y = x @ W.T + b with W [output_size, input_size] (a oneDNN-packed copy of W on CPU,
+    once `pack_for_cpu` ran: see `srt/layers/cpu_packed.py`)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -38,7 +39,7 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.linear(x)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
@@ -39,5 +38,4 @@ class LogitsProcessor(nn.Module):
             indices = last_token_indices(forward_batch)
         if indices is not None:
             hidden_states = hidden_states.index_select(0, indices)
-        logits = F.linear(hidden_states, lm_head.weight, lm_head.bias)
-        return logits.float()
+        return lm_head(hidden_states).float()

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from srt.layers.cpu_packed import PackedWeightMixin
 from srt.layers.weight_utils import default_weight_loader, set_weight_loader
 
 
@@ -26,8 +27,9 @@ class VocabEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}"
 
 
-class LMHead(nn.Module):
-    """Holds the output projection [vocab, hidden]; `LogitsProcessor` applies it."""
+class LMHead(PackedWeightMixin, nn.Module):
+    """The output projection [vocab, hidden]: `forward(hidden)` -> logits in the model dtype.
+    `LogitsProcessor` picks the rows and applies it."""
 
     def __init__(self, vocab_size: int, hidden_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -44,6 +46,9 @@ class LMHead(nn.Module):
             raise ValueError("cannot tie an LM head to an embedding of a different shape")
         self.weight = embedding.weight
         self.tied = True
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.linear(hidden_states)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size} -> {self.vocab_size}, tied={self.tied}"

@@ -1,6 +1,9 @@
 """`ModelRunner`: the model, its KV pools, the attention backend, the sampler, and the
 decode CUDA graphs.
 
+On CPU the matmul weights are prepacked for oneDNN right after loading
+(`srt/layers/cpu_packed.py`; `--disable-cpu-weight-prepack` turns it off).
+
 Construction order matters on a GPU: the weights load, then the attention backend (its
 workspace is resident memory too), then the KV pool is sized from what is left
 (`memory_sizing`: `--max-total-tokens`, else `--mem-fraction-static` of the device minus
@@ -20,6 +23,7 @@ from attention.registry import create_attention_backend, resolve_attention_backe
 from mem_cache.allocator import TokenToKVPoolAllocator
 from mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from srt.configs.model_config import ModelConfig
+from srt.layers.cpu_packed import prepack_cpu_weights
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner
 from srt.model_executor.flashinfer_sampler import make_sampler
 from srt.model_executor.forward_batch import ForwardBatch
@@ -61,6 +65,8 @@ class ModelRunner:
         self.device = server_args.resolved_device()
         torch.manual_seed(server_args.random_seed)
         self.model = get_model(model_config, server_args.load_format, self.device)
+        if self.device == "cpu" and not server_args.disable_cpu_weight_prepack:
+            prepack_cpu_weights(self.model)  # before the KV pool takes its share of free RAM
         self.attn_backend_name = resolve_attention_backend(
             server_args.attention_backend, self.device, model_config.dtype
         )

@@ -1,0 +1,84 @@
+"""oneDNN-prepacked CPU weights: same results as F.linear, a fallback where oneDNN has no
+kernel, and the model runner packs every matmul weight unless told not to."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from srt.layers.cpu_packed import can_pack, prepack_cpu_weights
+from srt.layers.linear import QKVLinear, ReplicatedLinear
+from srt.layers.vocab_embedding import LMHead
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [0, 1, 7, 64])
+def test_packed_linear_matches_f_linear(dtype: torch.dtype, rows: int) -> None:
+    if not can_pack(torch.empty(2, 2, dtype=dtype)):
+        pytest.skip(f"no oneDNN {dtype} kernel on this CPU")
+    torch.manual_seed(0)
+    layer = ReplicatedLinear(48, 80, bias=True).to(dtype)
+    torch.nn.init.normal_(layer.weight, std=0.1)
+    torch.nn.init.normal_(layer.bias, std=0.1)
+    x = torch.randn(rows, 48).to(dtype)
+    expected = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+    assert layer.pack_for_cpu() and layer.packed_weight is not None
+    got = layer(x)
+    assert got.dtype == dtype and got.shape == (rows, 80)
+    torch.testing.assert_close(got.float(), expected, atol=TOL[dtype], rtol=TOL[dtype])
+    # Leading dims are kept, and a strided view (a q/k/v split) is accepted.
+    wide = torch.randn(3, 5, 96).to(dtype)[..., :48]
+    torch.testing.assert_close(
+        layer(wide).float(),
+        F.linear(wide.float(), layer.weight.float(), layer.bias.float()),
+        atol=TOL[dtype],
+        rtol=TOL[dtype],
+    )
+
+
+def test_unpackable_dtypes_keep_f_linear() -> None:
+    layer = ReplicatedLinear(16, 8).to(torch.float16)
+    if can_pack(layer.weight):
+        pytest.skip("this CPU's oneDNN runs float16")
+    assert not layer.pack_for_cpu() and layer.packed_weight is None
+    x = torch.randn(4, 16).to(torch.float16)
+    assert torch.equal(layer(x), F.linear(x, layer.weight))
+
+
+def test_input_of_another_dtype_takes_the_dense_weight() -> None:
+    layer = ReplicatedLinear(16, 8)
+    assert layer.pack_for_cpu()
+    x = torch.randn(4, 16, dtype=torch.float64)
+    with pytest.raises(RuntimeError):  # F.linear with a float32 weight: not silently packed
+        layer(x)
+
+
+def test_prepack_counts_linears_and_the_lm_head() -> None:
+    model = torch.nn.ModuleDict(
+        {"qkv": QKVLinear(32, 8, 4, 2), "o": ReplicatedLinear(32, 32), "head": LMHead(50, 32)}
+    )
+    assert prepack_cpu_weights(model) == 3
+    hidden = torch.randn(3, 32)
+    torch.testing.assert_close(model["head"](hidden), F.linear(hidden, model["head"].weight))
+
+
+@pytest.mark.parametrize("disable", [False, True])
+def test_model_runner_prepacks_unless_disabled(tmp_path, disable: bool) -> None:
+    from managers.tp_worker import ModelWorker
+    from srt.server_args import ServerArgs
+    from tests.engine.tiny_models import save_tiny_model
+
+    folder = save_tiny_model("llama", tmp_path)
+    args = ServerArgs(
+        model_path=str(folder),
+        dtype="float32",
+        max_total_tokens=256,
+        skip_tokenizer_init=True,
+        disable_cpu_weight_prepack=disable,
+    )
+    model = ModelWorker(args).model_runner.model
+    packed = [m.packed_weight is not None for m in model.modules() if hasattr(m, "pack_for_cpu")]
+    assert packed and all(p != disable for p in packed)
