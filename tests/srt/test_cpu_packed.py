@@ -14,15 +14,22 @@ from srt.layers.vocab_embedding import LMHead
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
+def initialised(module: torch.nn.Module) -> torch.nn.Module:
+    """Layers are built with `torch.empty` weights (the loader fills them): give them values."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    return module
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [0, 1, 7, 64])
 def test_packed_linear_matches_f_linear(dtype: torch.dtype, rows: int) -> None:
     if not can_pack(torch.empty(2, 2, dtype=dtype)):
         pytest.skip(f"no oneDNN {dtype} kernel on this CPU")
     torch.manual_seed(0)
-    layer = ReplicatedLinear(48, 80, bias=True).to(dtype)
-    torch.nn.init.normal_(layer.weight, std=0.1)
-    torch.nn.init.normal_(layer.bias, std=0.1)
+    layer = initialised(ReplicatedLinear(48, 80, bias=True)).to(dtype)
     x = torch.randn(rows, 48).to(dtype)
     expected = F.linear(x.float(), layer.weight.float(), layer.bias.float())
     assert layer.pack_for_cpu() and layer.packed_weight is not None
@@ -40,7 +47,7 @@ def test_packed_linear_matches_f_linear(dtype: torch.dtype, rows: int) -> None:
 
 
 def test_unpackable_dtypes_keep_f_linear() -> None:
-    layer = ReplicatedLinear(16, 8).to(torch.float16)
+    layer = initialised(ReplicatedLinear(16, 8)).to(torch.float16)
     if can_pack(layer.weight):
         pytest.skip("this CPU's oneDNN runs float16")
     assert not layer.pack_for_cpu() and layer.packed_weight is None
@@ -49,7 +56,7 @@ def test_unpackable_dtypes_keep_f_linear() -> None:
 
 
 def test_input_of_another_dtype_takes_the_dense_weight() -> None:
-    layer = ReplicatedLinear(16, 8)
+    layer = initialised(ReplicatedLinear(16, 8))
     assert layer.pack_for_cpu()
     x = torch.randn(4, 16, dtype=torch.float64)
     with pytest.raises(RuntimeError):  # F.linear with a float32 weight: not silently packed
@@ -60,6 +67,7 @@ def test_prepack_counts_linears_and_the_lm_head() -> None:
     model = torch.nn.ModuleDict(
         {"qkv": QKVLinear(32, 8, 4, 2), "o": ReplicatedLinear(32, 32), "head": LMHead(50, 32)}
     )
+    initialised(model)
     assert prepack_cpu_weights(model) == 3
     hidden = torch.randn(3, 32)
     torch.testing.assert_close(model["head"](hidden), F.linear(hidden, model["head"].weight))
