@@ -2,7 +2,10 @@
 
 The numbers decide what ``--dtype auto`` picks on CPU (see ``srt/configs/dtype.py``).
 
-Usage: ``python -m bench.bench_dtype [--tokens 1 64 512] [--min-time 0.3]``
+Usage: ``python -m bench.bench_dtype [--tokens 1 64 512] [--min-time 0.3] [--prepacked]``
+
+``--prepacked`` times the oneDNN-prepacked weights the model runner uses on CPU
+(``srt/layers/cpu_packed.py``) instead of plain ``F.linear``: run both to see what packing buys.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from srt.layers.cpu_packed import can_pack, pack_weight, packed_linear
 
 logger = logging.getLogger(__name__)
 
@@ -45,30 +50,42 @@ class Result:
     gflops: float
 
 
-def time_linear(m: int, k: int, n: int, dtype: torch.dtype, min_time: float) -> float:
+def time_linear(
+    m: int, k: int, n: int, dtype: torch.dtype, min_time: float, prepacked: bool = False
+) -> float:
     """Median-free simple timer: mean seconds per call over at least ``min_time`` seconds."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=gen).to(dtype)
     w = (torch.randn(n, k, generator=gen) * 0.02).to(dtype)
+    if prepacked and can_pack(w):
+        packed = pack_weight(w)
+
+        def linear() -> torch.Tensor:
+            return packed_linear(x, packed, None)
+    else:
+
+        def linear() -> torch.Tensor:
+            return F.linear(x, w)
+
     with torch.inference_mode():
         for _ in range(3):
-            F.linear(x, w)
+            linear()
         calls = 0
         start = time.perf_counter()
         while True:
-            F.linear(x, w)
+            linear()
             calls += 1
             elapsed = time.perf_counter() - start
             if elapsed >= min_time and calls >= 5:
                 return elapsed / calls
 
 
-def run(tokens: list[int], min_time: float) -> list[Result]:
+def run(tokens: list[int], min_time: float, prepacked: bool = False) -> list[Result]:
     results: list[Result] = []
     for m in tokens:
         for name, k, n, _ in SHAPES:
             for dtype in (torch.float32, torch.bfloat16):
-                sec = time_linear(m, k, n, dtype, min_time)
+                sec = time_linear(m, k, n, dtype, min_time, prepacked)
                 results.append(Result(name, m, dtype, sec, 2.0 * m * k * n / sec / 1e9))
     return results
 
@@ -77,13 +94,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 512])
     parser.add_argument("--min-time", type=float, default=0.3)
+    parser.add_argument("--prepacked", action="store_true", help="oneDNN-prepacked weights")
     args = parser.parse_args()
 
     print(
         f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
-        f"cpu capability {torch.backends.cpu.get_cpu_capability()}"
+        f"cpu capability {torch.backends.cpu.get_cpu_capability()}, "
+        f"{'oneDNN-prepacked weights' if args.prepacked else 'F.linear'}"
     )
-    results = run(args.tokens, args.min_time)
+    results = run(args.tokens, args.min_time, args.prepacked)
     print(f"{'shape':<13}{'M':>5}{'fp32 GFLOP/s':>14}{'bf16 GFLOP/s':>14}{'bf16/fp32':>11}")
     by_key = {(r.name, r.tokens, r.dtype): r for r in results}
     for m in args.tokens:

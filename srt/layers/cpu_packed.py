@@ -4,9 +4,11 @@
 for every call: at the small row counts of decode (one row per running request) that is most
 of the cost. oneDNN can block the weight once, at load time, into the layout its kernels read
 (`torch.ops.mkldnn._reorder_linear_weight`), and then run `_linear_pointwise` against it.
-Measured on SmolLM2-135M's linear shapes (2-core AMD EPYC, torch 2.13; see
-`bench/bench_one_batch.py`): float32 2.0x faster at 16 rows, 1.5x at 256-1024 rows (with
-oneDNN capped to AVX2: 1.7x and 1.2x); bfloat16 2.2x faster at 16 rows, the same at 1024.
+Measured on SmolLM2-135M's linear shapes (2-core AMD EPYC, torch 2.13; `python -m
+bench.bench_dtype --tokens 16 256 1024` with and without `--prepacked`): float32 2.0x faster at
+16 rows, 1.5x at 256-1024 rows (with oneDNN capped to AVX2: 1.7x and 1.2x); bfloat16
+1.4-2.2x faster at 16 rows (runs vary), the same at 1024. A decode step at batch 16
+(`bench/bench_one_batch.py`): float32 178 -> 134 ms, bfloat16 87 -> 74 ms.
 
 A packed weight is an opaque oneDNN tensor beside the dense parameter, which stays the
 source of truth (weight loading, tied embeddings, tests). Packing is CPU-only and skipped

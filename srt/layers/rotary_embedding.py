@@ -92,7 +92,9 @@ class RotaryEmbedding(nn.Module):
     def _whole_head_neox(self) -> bool:
         return self.is_neox_style and self.rotary_dim == self.head_dim
 
-    def _lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    def _lookup(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
         if self._whole_head_neox:
             cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
