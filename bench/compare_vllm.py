@@ -40,7 +40,6 @@ W2 = [
     "--gsp-question-len", "32", "--gsp-output-len", "64", "--max-concurrency", "16",
     "--seed", "1", "--disable-tqdm",
 ]  # fmt: skip
-W1_VOCAB = 49152  # the default model's vocabulary; W1's prompts are random ids below it
 SHOWN_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni")
 
 
@@ -56,6 +55,15 @@ def cpu_header() -> str:
     flags = cpu_flags()
     shown = " ".join(f for f in SHOWN_FLAGS if f in flags) or "-"
     return f"CPU: {model}, {os.cpu_count()} cores; flags: {shown}"
+
+
+def default_vocab_size() -> int:
+    """The default model's vocabulary, as bench_offline's driver sees it (same W1 prompts)."""
+    from transformers import AutoConfig
+
+    from srt.model_loader.loader import resolve_model_path
+
+    return AutoConfig.from_pretrained(resolve_model_path(None)).vocab_size
 
 
 def last_json_line(text: str) -> dict[str, Any]:
@@ -108,7 +116,7 @@ def compare_dtype(args: argparse.Namespace, dtype: str, out_dir: Path) -> dict[s
     res: dict[str, Any] = {"w1": {}, "w2": {}}
     if "w1" in args.workloads:
         prompts = out_dir / "w1_prompts.json"
-        prompts.write_text(json.dumps(w1_prompts(64, 64, 512, W1_VOCAB, seed=0)))
+        prompts.write_text(json.dumps(w1_prompts(64, 64, 512, default_vocab_size(), seed=0)))
         res["w1"]["radixrt"] = w1_radixrt(dtype, out_dir)
         for bind in args.vllm_binds:
             res["w1"][f"vllm[{bind}]"] = w1_vllm(args.vllm_venv, dtype, bind, prompts, out_dir)
