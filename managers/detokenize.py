@@ -31,10 +31,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from managers.io_struct import FinishReason
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -143,16 +145,14 @@ class IncrementalDecoder:
             self.spaces_between_special_tokens,
         )
 
-    def step(self, output_ids: list[int], finished_reason: dict[str, Any] | None) -> str:
+    def step(self, output_ids: list[int], finished_reason: FinishReason | None) -> str:
         """The text delta safe to release now; `output_ids` is the whole output so far."""
         if self.finished:
             return ""
         end = len(output_ids)
-        matched = finished_reason.get("matched") if finished_reason else None
+        matched = finished_reason.matched if finished_reason else None
         trim_stop = (
-            finished_reason is not None
-            and finished_reason.get("type") == "stop"
-            and not self.no_stop_trim
+            finished_reason is not None and finished_reason.type == "stop" and not self.no_stop_trim
         )
         if trim_stop and isinstance(matched, int) and not isinstance(matched, bool):
             end = max(end - 1, self.read_offset)  # the stop token is not part of the text

@@ -16,7 +16,7 @@ from typing import Any
 import zmq
 
 from managers.detokenize import IncrementalDecoder
-from managers.io_struct import BatchStrOut, BatchTokenIDOut
+from managers.io_struct import BatchStrOut, BatchTokenIDOut, ReqOutput, ReqStrOutput
 from srt.server_args import ServerArgs
 from srt.utils.process import PortArgs, become_child, parent_alive, zmq_socket
 
@@ -31,30 +31,30 @@ class DetokenizerManager:
         self.decoders: dict[str, IncrementalDecoder] = {}
         self.output_ids: dict[str, list[int]] = {}
 
-    def handle(self, out: BatchTokenIDOut) -> BatchStrOut:
-        texts: list[str] = []
-        for i, rid in enumerate(out.rids):
-            finished = out.finished_reasons[i]
-            if self.tokenizer is None:
-                texts.append("")
-                continue
-            decoder = self.decoders.get(rid)
-            if decoder is None:
-                opts = out.decode_options[i]
-                decoder = self.decoders[rid] = IncrementalDecoder(
-                    self.tokenizer,
-                    skip_special_tokens=opts.skip_special_tokens,
-                    spaces_between_special_tokens=opts.spaces_between_special_tokens,
-                    stop=list(opts.stop),
-                    no_stop_trim=opts.no_stop_trim,
-                )
-                self.output_ids[rid] = []
-            ids = self.output_ids[rid]
-            ids.extend(out.new_token_ids[i])
-            texts.append(decoder.step(ids, finished))
-            if finished is not None:
-                del self.decoders[rid], self.output_ids[rid]
-        return BatchStrOut(out, texts)
+    def handle(self, batch: BatchTokenIDOut) -> BatchStrOut:
+        return BatchStrOut([ReqStrOutput(out, self.step(out)) for out in batch.outputs])
+
+    def step(self, out: ReqOutput) -> str:
+        """The text this request releases with `out`."""
+        if self.tokenizer is None:
+            return ""
+        decoder = self.decoders.get(out.rid)
+        if decoder is None:
+            opts = out.decode_options
+            decoder = self.decoders[out.rid] = IncrementalDecoder(
+                self.tokenizer,
+                skip_special_tokens=opts.skip_special_tokens,
+                spaces_between_special_tokens=opts.spaces_between_special_tokens,
+                stop=list(opts.stop),
+                no_stop_trim=opts.no_stop_trim,
+            )
+            self.output_ids[out.rid] = []
+        ids = self.output_ids[out.rid]
+        ids.extend(out.new_token_ids)
+        text = decoder.step(ids, out.finish_reason)
+        if out.finish_reason is not None:
+            del self.decoders[out.rid], self.output_ids[out.rid]
+        return text
 
 
 def run_detokenizer_process(

@@ -13,18 +13,18 @@ import uuid
 from dataclasses import replace
 from typing import Any
 
-from managers.io_struct import AbortReq, BatchTokenIDOut
+from managers.io_struct import AbortReq, BatchTokenIDOut, FinishReason
 from managers.parallel_sampling import make_requests
 from managers.scheduler import Scheduler
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 
 
-def trim_stop_str(text: str, finish_reason: dict[str, Any] | None, params: SamplingParams) -> str:
+def trim_stop_str(text: str, finish_reason: FinishReason | None, params: SamplingParams) -> str:
     """Cut the text at the stop string that finished the request (unless no_stop_trim)."""
-    if not finish_reason or params.no_stop_trim:
+    if finish_reason is None or params.no_stop_trim:
         return text
-    matched = finish_reason.get("matched")
+    matched = finish_reason.matched
     if isinstance(matched, str):
         pos = text.find(matched)
         if pos != -1:
@@ -51,25 +51,28 @@ class InProcessDriver:
         self._ids = itertools.count()
 
     # ---- output sink ---------------------------------------------------------------
-    def _on_output(self, out: BatchTokenIDOut) -> None:
-        for i, rid in enumerate(out.rids):
+    def _on_output(self, batch: BatchTokenIDOut) -> None:
+        for out in batch.outputs:
+            rid = out.rid
             state = self.outputs.setdefault(rid, {"meta_info": {"id": rid}, "output_ids": []})
-            state["output_ids"] = state["output_ids"] + out.new_token_ids[i]
+            state["output_ids"] = state["output_ids"] + out.new_token_ids
+            reason = state["_finish"] = out.finish_reason
             meta = state["meta_info"]
             meta.update(
-                prompt_tokens=out.prompt_tokens[i],
-                completion_tokens=out.completion_tokens[i],
-                cached_tokens=out.cached_tokens[i],
-                finish_reason=out.finished_reasons[i],
+                prompt_tokens=out.prompt_tokens,
+                completion_tokens=out.completion_tokens,
+                cached_tokens=out.cached_tokens,
+                finish_reason=None if reason is None else reason.to_json(),
             )
-            if out.input_token_logprobs[i] or out.output_token_logprobs[i]:
-                for key in (
-                    "input_token_logprobs",
-                    "input_top_logprobs",
-                    "output_token_logprobs",
-                    "output_top_logprobs",
+            lp = out.logprobs
+            if lp is not None and (lp.input_token_logprobs or lp.output_token_logprobs):
+                for key, values in (
+                    ("input_token_logprobs", lp.input_token_logprobs),
+                    ("input_top_logprobs", lp.input_top_logprobs),
+                    ("output_token_logprobs", lp.output_token_logprobs),
+                    ("output_top_logprobs", lp.output_top_logprobs),
                 ):
-                    meta.setdefault(key, []).extend(getattr(out, key)[i])
+                    meta.setdefault(key, []).extend(values)
 
     # ---- API -----------------------------------------------------------------------
     def submit(
@@ -122,7 +125,7 @@ class InProcessDriver:
             text = self.tokenizer.decode(
                 state["output_ids"], skip_special_tokens=params.skip_special_tokens
             )
-            out["text"] = trim_stop_str(text, meta.get("finish_reason"), params)
+            out["text"] = trim_stop_str(text, state.get("_finish"), params)
         return out
 
     def generate(

@@ -7,7 +7,7 @@ here is plain data (lists, ints, strings) so it pickles cheaply across a ZMQ soc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from srt.sampling.sampling_params import SamplingParams
 
@@ -61,25 +61,48 @@ class FlushCacheReq:
     pass
 
 
-@dataclass
-class BatchTokenIDOut:
-    """One scheduler step's news for every request that produced something (scheduler ->
-    detokenizer). Consumers accumulate `new_token_ids`; full outputs never travel."""
+# ---- outputs (scheduler -> detokenizer -> tokenizer manager) ------------------------
+FinishType = Literal["stop", "length", "abort"]
 
-    rids: list[str]
-    # Token ids produced since the previous message for that request.
-    new_token_ids: list[list[int]]
-    finished_reasons: list[dict[str, Any] | None]
-    prompt_tokens: list[int]
-    completion_tokens: list[int]
-    cached_tokens: list[int]
-    # Decode options, per request (the detokenizer reads them when it first sees a rid).
-    decode_options: list[DecodeOptions] = field(default_factory=list)
-    # Logprobs produced since the previous message (empty lists when not requested).
-    output_token_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
-    output_top_logprobs: list[list[list[tuple[float, int]]]] = field(default_factory=list)
-    input_token_logprobs: list[list[tuple[float | None, int]]] = field(default_factory=list)
-    input_top_logprobs: list[list[list[tuple[float, int]] | None]] = field(default_factory=list)
+
+@dataclass(frozen=True, slots=True)
+class FinishReason:
+    """Why a request finished. `to_json()` gives SGLang's `meta_info.finish_reason`, which
+    only the HTTP / Engine edge builds; inside the server the record itself travels."""
+
+    type: FinishType
+    matched: int | str | None = None  # stop: the stop token id or stop string
+    length: int | None = None  # length: the limit that was reached
+    message: str | None = None  # abort
+    status_code: int | None = None  # abort: set when the server refused or failed
+
+    @property
+    def is_abort(self) -> bool:
+        return self.type == "abort"
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.type}
+        if self.type == "stop":
+            out["matched"] = self.matched
+        elif self.type == "length":
+            out["length"] = self.length
+        else:
+            out["message"] = self.message
+            if self.status_code is not None:
+                out["status_code"] = self.status_code
+        return out
+
+
+def finish_matched(matched: int | str) -> FinishReason:
+    return FinishReason("stop", matched=matched)
+
+
+def finish_length(length: int) -> FinishReason:
+    return FinishReason("length", length=length)
+
+
+def finish_abort(message: str, status_code: int | None = None) -> FinishReason:
+    return FinishReason("abort", message=message, status_code=status_code)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,13 +113,56 @@ class DecodeOptions:
     no_stop_trim: bool = False
 
 
+@dataclass(slots=True)
+class LogprobDelta:
+    """Logprobs produced for one request since its previous message: (logprob, token id)
+    pairs, and per position the top alternatives (None for the first prompt token)."""
+
+    output_token_logprobs: list[tuple[float, int]]
+    output_top_logprobs: list[list[tuple[float, int]]]
+    input_token_logprobs: list[tuple[float | None, int]]
+    input_top_logprobs: list[list[tuple[float, int]] | None]
+
+
+@dataclass(slots=True)
+class ReqOutput:
+    """One request's news in one scheduler step. Consumers accumulate `new_token_ids`;
+    full outputs never travel."""
+
+    rid: str
+    # Token ids produced since the previous message for this request.
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    # Read by the detokenizer when it first sees the rid.
+    decode_options: DecodeOptions
+    # None when the request did not ask for logprobs.
+    logprobs: LogprobDelta | None = None
+
+
+@dataclass
+class BatchTokenIDOut:
+    """One scheduler step's outputs, for every request that produced something (scheduler
+    -> detokenizer)."""
+
+    outputs: list[ReqOutput]
+
+
+@dataclass(slots=True)
+class ReqStrOutput:
+    """A `ReqOutput` plus the text released since the request's previous message."""
+
+    output: ReqOutput
+    new_text: str
+
+
 @dataclass
 class BatchStrOut:
-    """`BatchTokenIDOut` plus the text released since the previous message (detokenizer ->
-    tokenizer manager)."""
+    """`BatchTokenIDOut` with texts (detokenizer -> tokenizer manager)."""
 
-    tokens: BatchTokenIDOut
-    new_texts: list[str]
+    outputs: list[ReqStrOutput]
 
 
 # ---- control messages (tokenizer manager <-> scheduler) ------------------------------
@@ -111,9 +177,38 @@ class GetInternalStateReq:
     pass
 
 
+@dataclass(slots=True)
+class MemoryIntegrity:
+    """The scheduler's latest KV integrity check: ok is None until one has run."""
+
+    ok: bool | None = None
+    error: str | None = None
+    time: float | None = None  # time.time() of the check
+
+
+@dataclass(slots=True)
+class SchedulerState:
+    """The scheduler's answer to `GetInternalStateReq` (`/get_server_info` internal_states)."""
+
+    num_running_reqs: int
+    num_queue_reqs: int
+    token_usage: float
+    max_total_tokens: int
+    max_running_requests: int
+    num_retracted_reqs: int  # cumulative
+    num_aborted_reqs: int  # cumulative
+    overlap_schedule: bool
+    worker_idle_s: float
+    worker_busy_s: float
+    pid: int
+    new_token_ratio: float
+    forward_ct: int
+    memory_integrity: MemoryIntegrity
+
+
 @dataclass
 class GetInternalStateReqOutput:
-    state: dict[str, Any]
+    state: SchedulerState
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """`ReqState`: what the tokenizer manager knows of one running sample.
 
-The receive loop `apply`s each `BatchStrOut` entry (text, ids, logprobs accumulate) and
-`notify`s; the waiting caller takes a cumulative `snapshot`. A state is queued at most once
-at a time, so a slow consumer of a stream gets the latest snapshot, not a backlog.
+The receive loop `apply`s each `ReqOutput` of a `BatchStrOut` (text, ids, logprobs
+accumulate) and `notify`s; the waiting caller takes a cumulative `snapshot`. A state is queued
+at most once at a time, so a slow consumer of a stream gets the latest snapshot, not a backlog.
+The finish reason stays a `FinishReason` here; only `meta_info` holds its JSON form.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from managers.io_struct import BatchTokenIDOut
+from managers.io_struct import FinishReason, LogprobDelta, ReqOutput, finish_abort
 
 TokenText = Callable[[int], str | None]
 LOGPROB_FIELDS = (
@@ -46,40 +47,33 @@ class ReqState:
         self.logprobs: dict[str, list[Any]] | None = (
             {f: [] for f in LOGPROB_FIELDS} if return_logprob else None
         )
-        self.finish_reason: dict[str, Any] | None = None
+        self.finish_reason: FinishReason | None = None
         self.finished = False
         self.queued = False
         self.created_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.last_token_time = self.created_time
 
-    def apply(self, out: BatchTokenIDOut, i: int, new_text: str, token_text: TokenText) -> None:
+    def apply(self, out: ReqOutput, new_text: str, token_text: TokenText) -> None:
         self.text += new_text
-        self.output_ids.extend(out.new_token_ids[i])
-        self.meta["prompt_tokens"] = out.prompt_tokens[i]
-        self.meta["completion_tokens"] = out.completion_tokens[i]
-        self.meta["cached_tokens"] = out.cached_tokens[i]
-        if self.logprobs is not None:
+        self.output_ids.extend(out.new_token_ids)
+        self.meta["prompt_tokens"] = out.prompt_tokens
+        self.meta["completion_tokens"] = out.completion_tokens
+        self.meta["cached_tokens"] = out.cached_tokens
+        if self.logprobs is not None and out.logprobs is not None:
             text = token_text if self.return_text_in_logprobs else _no_text
-            for f in ("input_token_logprobs", "output_token_logprobs"):
-                self.logprobs[f].extend([lp, t, text(t)] for lp, t in getattr(out, f)[i])
-            for f in ("input_top_logprobs", "output_top_logprobs"):
-                self.logprobs[f].extend(
-                    None if tops is None else [[lp, t, text(t)] for lp, t in tops]
-                    for tops in getattr(out, f)[i]
-                )
-        reason = out.finished_reasons[i]
-        if reason is not None:
-            self.finish(reason)
+            _extend_logprobs(self.logprobs, out.logprobs, text)
+        if out.finish_reason is not None:
+            self.finish(out.finish_reason)
 
-    def finish(self, reason: dict[str, Any]) -> None:
+    def finish(self, reason: FinishReason) -> None:
         self.finish_reason = reason
         self.finished = True
-        self.meta["finish_reason"] = reason
+        self.meta["finish_reason"] = reason.to_json()  # the client's JSON shape
         self.meta["e2e_latency"] = time.perf_counter() - self.created_time
 
     def fail(self, message: str) -> None:
-        self.finish({"type": "abort", "message": message, "status_code": 503})
+        self.finish(finish_abort(message, 503))
         self.notify()
 
     def notify(self) -> None:
@@ -97,6 +91,17 @@ class ReqState:
             "output_ids": list(self.output_ids),
             "meta_info": meta,
         }
+
+
+def _extend_logprobs(acc: dict[str, list[Any]], delta: LogprobDelta, text: TokenText) -> None:
+    """Append `delta` to the accumulated lists in the client's [logprob, id, text] shape."""
+    for f in ("input_token_logprobs", "output_token_logprobs"):
+        acc[f].extend([lp, t, text(t)] for lp, t in getattr(delta, f))
+    for f in ("input_top_logprobs", "output_top_logprobs"):
+        acc[f].extend(
+            None if tops is None else [[lp, t, text(t)] for lp, t in tops]
+            for tops in getattr(delta, f)
+        )
 
 
 def _no_text(token_id: int) -> None:

@@ -11,8 +11,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from disagg.base import KVPoll
-from managers.io_struct import BatchTokenIDOut
-from managers.req import Req, finish_abort, finish_length, finish_matched
+from managers.io_struct import (
+    BatchTokenIDOut,
+    LogprobDelta,
+    ReqOutput,
+    finish_abort,
+    finish_length,
+    finish_matched,
+)
+from managers.req import Req
 
 if TYPE_CHECKING:
     from managers.schedule_batch import BatchLaunch, ScheduleBatch
@@ -132,33 +139,30 @@ class SchedulerOutputMixin:
     def emit(self: Any, reqs: list[Req]) -> None:
         if not reqs:
             return
-        out = BatchTokenIDOut([], [], [], [], [], [])
+        outputs: list[ReqOutput] = []
         for req in reqs:
-            out.rids.append(req.rid)
-            out.new_token_ids.append(req.output_ids[req.sent_output_len :])
+            out = ReqOutput(
+                rid=req.rid,
+                new_token_ids=req.output_ids[req.sent_output_len :],
+                finish_reason=req.finished_reason if req.finished() else None,
+                prompt_tokens=len(req.origin_input_ids),
+                completion_tokens=len(req.output_ids),
+                cached_tokens=req.cached_tokens,
+                decode_options=req.decode_options(),
+            )
             req.sent_output_len = len(req.output_ids)
-            out.finished_reasons.append(req.finished_reason.to_json() if req.finished() else None)
-            out.prompt_tokens.append(len(req.origin_input_ids))
-            out.completion_tokens.append(len(req.output_ids))
-            out.cached_tokens.append(req.cached_tokens)
-            out.decode_options.append(req.decode_options())
             if req.return_logprob:
                 o, n_in = req.sent_output_logprob_len, req.sent_input_logprob_len
-                out.output_token_logprobs.append(req.output_token_logprobs[o:])
-                out.output_top_logprobs.append(req.output_top_logprobs[o:])
-                out.input_token_logprobs.append(req.input_token_logprobs[n_in:])
-                out.input_top_logprobs.append(req.input_top_logprobs[n_in:])
+                out.logprobs = LogprobDelta(
+                    output_token_logprobs=req.output_token_logprobs[o:],
+                    output_top_logprobs=req.output_top_logprobs[o:],
+                    input_token_logprobs=req.input_token_logprobs[n_in:],
+                    input_top_logprobs=req.input_top_logprobs[n_in:],
+                )
                 req.sent_output_logprob_len = len(req.output_token_logprobs)
                 req.sent_input_logprob_len = len(req.input_token_logprobs)
-            else:
-                for lst in (
-                    out.output_token_logprobs,
-                    out.output_top_logprobs,
-                    out.input_token_logprobs,
-                    out.input_top_logprobs,
-                ):
-                    lst.append([])
-        self.output_sink(out)
+            outputs.append(out)
+        self.output_sink(BatchTokenIDOut(outputs))
 
     # ---- logging -------------------------------------------------------------------
     def token_usage(self: Any) -> float:

@@ -24,7 +24,9 @@ from managers.io_struct import (
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    MemoryIntegrity,
     SchedulerReady,
+    SchedulerState,
     SchedulerStats,
 )
 from managers.scheduler import Scheduler
@@ -109,26 +111,26 @@ class SchedulerServer:
         else:
             self.scheduler.handle(msg)
 
-    def internal_state(self) -> dict[str, Any]:
+    def internal_state(self) -> SchedulerState:
         s = self.scheduler
         if s.is_idle():
             s.check_memory()  # cheap, and the freshest answer when the server is idle
-        return {
-            "num_running_reqs": len(s.running_batch.reqs) + (s.chunked_req is not None),
-            "num_queue_reqs": len(s.waiting_queue),
-            "token_usage": s.token_usage(),
-            "max_total_tokens": s.max_total_tokens,
-            "max_running_requests": s.max_running_requests,
-            "num_retracted_reqs": s.num_retracted_reqs,
-            "num_aborted_reqs": s.num_aborted_reqs,
-            "overlap_schedule": s.overlap,
-            "worker_idle_s": s.idle_tracker.idle_s,
-            "worker_busy_s": s.idle_tracker.busy_s,
-            "pid": os.getpid(),
-            "new_token_ratio": s.new_token_ratio,
-            "forward_ct": s.forward_ct,
-            "memory_integrity": dict(s.memory_check),
-        }
+        return SchedulerState(
+            num_running_reqs=len(s.running_batch.reqs) + (s.chunked_req is not None),
+            num_queue_reqs=len(s.waiting_queue),
+            token_usage=s.token_usage(),
+            max_total_tokens=s.max_total_tokens,
+            max_running_requests=s.max_running_requests,
+            num_retracted_reqs=s.num_retracted_reqs,
+            num_aborted_reqs=s.num_aborted_reqs,
+            overlap_schedule=s.overlap,
+            worker_idle_s=s.idle_tracker.idle_s,
+            worker_busy_s=s.idle_tracker.busy_s,
+            pid=os.getpid(),
+            new_token_ratio=s.new_token_ratio,
+            forward_ct=s.forward_ct,
+            memory_integrity=MemoryIntegrity(**s.memory_check),
+        )
 
     def maybe_send_stats(self, force: bool) -> None:
         now = time.perf_counter()

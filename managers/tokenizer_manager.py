@@ -38,6 +38,7 @@ from managers.io_struct import (
     GetInternalStateReq,
     GetInternalStateReqOutput,
     SchedulerReady,
+    SchedulerState,
     SchedulerStats,
 )
 from managers.metrics import ServerMetrics
@@ -125,26 +126,25 @@ class TokenizerManager:
             logger.warning("Unexpected message %s", type(msg).__name__)
 
     def on_batch_output(self, batch: BatchStrOut) -> None:
-        out = batch.tokens
         now = time.perf_counter()
-        for i, rid in enumerate(out.rids):
-            state = self.rid_to_state.get(rid)
+        for item in batch.outputs:
+            out = item.output
+            state = self.rid_to_state.get(out.rid)
             if state is None:
                 continue  # a prefill-only request of n > 1, or one already abandoned
-            new_ids = out.new_token_ids[i]
-            if new_ids:
+            if out.new_token_ids:
                 if state.first_token_time is None:
                     state.first_token_time = now
                     self.metrics.on_first_token(now - state.created_time)
                 else:
-                    self.metrics.on_tokens(now - state.last_token_time, len(new_ids))
+                    self.metrics.on_tokens(now - state.last_token_time, len(out.new_token_ids))
                 state.last_token_time = now
-            state.apply(out, i, batch.new_texts[i], self.token_text)
+            state.apply(out, item.new_text, self.token_text)
             if state.finished:
                 self.metrics.on_finish(
-                    now - state.created_time, out.prompt_tokens[i], out.completion_tokens[i]
+                    now - state.created_time, out.prompt_tokens, out.completion_tokens
                 )
-                del self.rid_to_state[rid]
+                del self.rid_to_state[out.rid]
             state.notify()
 
     def token_text(self, token_id: int) -> str | None:
@@ -222,11 +222,11 @@ class TokenizerManager:
             state.queued = False
             if state.finished:
                 pending -= 1
-                reason = state.finish_reason or {}
+                reason = state.finish_reason
                 # Refused before anything was sent (bad input, invalid grammar): an error,
                 # so HTTP answers 4xx instead of starting a stream.
-                if reason.get("type") == "abort" and reason.get("status_code") and not sent:
-                    raise RequestError(reason["message"], status_code=reason["status_code"])
+                if reason is not None and reason.is_abort and reason.status_code and not sent:
+                    raise RequestError(reason.message or "", status_code=reason.status_code)
             if stream or state.finished:
                 sent = True
                 yield state.snapshot()
@@ -321,7 +321,7 @@ class TokenizerManager:
     async def flush_cache(self) -> FlushCacheReqOutput:
         return await self._control(FlushCacheReq(), FlushCacheReqOutput)
 
-    async def get_internal_state(self) -> dict[str, Any]:
+    async def get_internal_state(self) -> SchedulerState:
         out = await self._control(GetInternalStateReq(), GetInternalStateReqOutput)
         return out.state
 

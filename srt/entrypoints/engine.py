@@ -13,6 +13,7 @@ manager on uvicorn's loop instead.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -96,7 +97,7 @@ class Engine:
         return self._run(self.tokenizer_manager.flush_cache()).success
 
     def get_server_info(self) -> dict[str, Any]:
-        return self._run(self.tokenizer_manager.get_internal_state())
+        return dataclasses.asdict(self._run(self.tokenizer_manager.get_internal_state()))
 
     def shutdown(self) -> None:
         self.children.stop()

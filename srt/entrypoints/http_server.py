@@ -133,7 +133,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         )
 
     async def server_info() -> Response:
-        state = await tm.get_internal_state()
+        state = dataclasses.asdict(await tm.get_internal_state())
         args = dataclasses.asdict(server_args)
         args.pop("api_key", None)
         return json_response(

@@ -9,10 +9,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from managers.detokenize import IncrementalDecoder, decode_ids
+from managers.io_struct import FinishReason, finish_abort, finish_length, finish_matched
 
 MIXED = "Hi café, naïve 日本語 and 中文 🎉👍🏽 done"
 RUNNING = None
-LENGTH = {"type": "length", "length": 0}
+LENGTH = finish_length(0)
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,9 @@ def encode(tok: Any, text: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
 
-def feed(dec: IncrementalDecoder, ids: list[int], chunk: int, last: dict | None) -> list[str]:
+def feed(
+    dec: IncrementalDecoder, ids: list[int], chunk: int, last: FinishReason | None
+) -> list[str]:
     """Grow the output `chunk` tokens per step, as the scheduler does; finish with `last`."""
     deltas = []
     for end in range(chunk, len(ids), chunk):
@@ -52,7 +55,7 @@ def test_split_characters_never_release_partial_bytes(tok: Any, chunk: int) -> N
 def test_finish_with_trailing_incomplete_character_releases_it(tok: Any) -> None:
     ids = encode(tok, "ok 🎉")[:-1]  # the emoji's last byte never arrives
     dec = IncrementalDecoder(tok)
-    deltas = feed(dec, ids, 1, {"type": "abort", "message": "client left"})
+    deltas = feed(dec, ids, 1, finish_abort("client left"))
     assert "".join(deltas[:-1]) == "ok"
     assert dec.text == tok.decode(ids) and dec.text.startswith("ok ")
     assert dec.text.endswith("\ufffd")
@@ -139,7 +142,7 @@ def run_until_stop(dec: IncrementalDecoder, ids: list[int], stop: str) -> list[s
     deltas = []
     for end in range(1, len(ids) + 1):
         done = stop in dec.tokenizer.decode(ids[:end])
-        deltas.append(dec.step(ids[:end], {"type": "stop", "matched": stop} if done else None))
+        deltas.append(dec.step(ids[:end], finish_matched(stop) if done else None))
         assert stop not in dec.text or dec.no_stop_trim and done
         if done:
             return deltas
@@ -164,7 +167,7 @@ def test_complete_stop_string_is_held_until_the_finish_arrives(tok: Any) -> None
     assert dec.step(ids[:3], RUNNING) == "Sure thing."
     assert dec.step(ids[:6], RUNNING) == ""
     assert dec.step(ids[:7], RUNNING) == ""
-    assert dec.step(ids[:7], {"type": "stop", "matched": "</answer>"}) == ""
+    assert dec.step(ids[:7], finish_matched("</answer>")) == ""
     assert dec.text == "Sure thing."
 
 
@@ -204,14 +207,14 @@ def test_held_prefix_is_released_on_length_finish(tok: Any) -> None:
 def test_stop_token_id_is_trimmed(tok: Any, skip: bool, no_trim: bool, expected: str) -> None:
     ids = encode(tok, "Hello world.") + [tok.eos_token_id]
     dec = IncrementalDecoder(tok, skip_special_tokens=skip, no_stop_trim=no_trim)
-    feed(dec, ids, 1, {"type": "stop", "matched": tok.eos_token_id})
+    feed(dec, ids, 1, finish_matched(tok.eos_token_id))
     assert dec.text == expected
 
 
 def test_ordinary_stop_token_id_is_trimmed(tok: Any) -> None:
     ids = encode(tok, "Hello world.")
     dec = IncrementalDecoder(tok)
-    feed(dec, ids, 1, {"type": "stop", "matched": ids[-1]})  # "." as a stop token id
+    feed(dec, ids, 1, finish_matched(ids[-1]))  # "." as a stop token id
     assert dec.text == "Hello world"
 
 
