@@ -1,5 +1,6 @@
 """Shared pieces of prefill/decode disaggregation: the poll states, the KV description each
-side publishes, and the messages of the bootstrap channel.
+side publishes (pool layout, transfer peer records), and the messages of the bootstrap
+channel.
 
 Protocol (one request, "room" = the router's `bootstrap_room`):
 
@@ -21,7 +22,7 @@ abort on that side and frees every slot it held; the other side times out the sa
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,6 +57,31 @@ class KVArgs:
         return len(self.k_buffers), self.item_bytes
 
 
+@dataclass(frozen=True, slots=True)
+class TransferPeer:
+    """A decode server's pool as its transfer backend addresses it (`peer_info()`), sent in
+    `KVRegister`. One subclass per backend; a backend writes only to its own kind."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoopbackPeer(TransferPeer):
+    """Nothing to address: the KV travels back in `KVTransferDone.payload`."""
+
+
+@dataclass(frozen=True, slots=True)
+class MooncakePeer(TransferPeer):
+    session_id: str  # "host:rpc_port" of the decode side's transfer engine
+    ptrs: tuple[int, ...]  # base address per buffer (K layers, then V layers)
+
+
+@dataclass(frozen=True, slots=True)
+class NixlPeer(TransferPeer):
+    agent: str  # the decode side's agent name
+    metadata: bytes  # its agent metadata, added once as a remote agent
+    ptrs: tuple[int, ...]  # base address per buffer (K layers, then V layers)
+    device: int  # GPU index of the buffers (0 for DRAM)
+
+
 @dataclass
 class KVRegister:
     """Decode -> prefill: where to write one room's KV."""
@@ -63,7 +89,7 @@ class KVRegister:
     room: int
     dst_slots: list[int]
     layout: tuple[int, int]  # (num_layers, item_bytes): must match the prefill side's
-    peer: dict[str, Any] = field(default_factory=dict)  # the transfer backend's address info
+    peer: TransferPeer  # the decode side's transfer backend address
 
 
 @dataclass

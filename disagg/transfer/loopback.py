@@ -3,19 +3,19 @@ ZMQ). No extra package; for tests and single-host runs."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
+from disagg.base import LoopbackPeer, TransferPeer
 from disagg.transfer.base import TransferBackend
 
 
 class LoopbackTransfer(TransferBackend):
-    def peer_info(self) -> dict[str, Any]:
-        return {"backend": "loopback"}
+    def peer_info(self) -> LoopbackPeer:
+        return LoopbackPeer()
 
-    def write(self, peer: dict[str, Any], src_slots: list[int], dst_slots: list[int]) -> None:
+    def write(self, peer: TransferPeer, src_slots: list[int], dst_slots: list[int]) -> None:
         """Nothing to do here: `payload` carries the KV."""
+        self.expect_peer(peer, LoopbackPeer)
 
     def payload(self, src_slots: list[int]) -> list[bytes]:
         idx = torch.tensor(src_slots, dtype=torch.int64)

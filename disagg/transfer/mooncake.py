@@ -9,9 +9,7 @@ Security: Mooncake's TCP data listener and its handshake RPC port bind every int
 
 from __future__ import annotations
 
-from typing import Any
-
-from disagg.base import KVArgs, slot_runs
+from disagg.base import KVArgs, MooncakePeer, TransferPeer, slot_runs
 from disagg.transfer.base import TransferBackend, TransferError
 
 MAX_BATCH_ENTRIES = 1024
@@ -30,18 +28,15 @@ class MooncakeTransfer(TransferBackend):
                 raise TransferError("mooncake: cannot register the KV pool memory")
         self.session_id = f"{host}:{self.engine.get_rpc_port()}"
 
-    def peer_info(self) -> dict[str, Any]:
-        return {
-            "backend": "mooncake",
-            "session_id": self.session_id,
-            "ptrs": [buf.data_ptr() for buf in self.kv.buffers()],
-        }
+    def peer_info(self) -> MooncakePeer:
+        return MooncakePeer(self.session_id, tuple(buf.data_ptr() for buf in self.kv.buffers()))
 
-    def write(self, peer: dict[str, Any], src_slots: list[int], dst_slots: list[int]) -> None:
+    def write(self, peer: TransferPeer, src_slots: list[int], dst_slots: list[int]) -> None:
+        dest = self.expect_peer(peer, MooncakePeer)
         item = self.kv.item_bytes
         runs = slot_runs(src_slots, dst_slots)
         srcs, dsts, lens = [], [], []
-        for buf, dst_base in zip(self.kv.buffers(), peer["ptrs"], strict=True):
+        for buf, dst_base in zip(self.kv.buffers(), dest.ptrs, strict=True):
             base = buf.data_ptr()
             for s, d, n in runs:
                 srcs.append(base + s * item)
@@ -51,7 +46,7 @@ class MooncakeTransfer(TransferBackend):
         for i in range(0, len(srcs), MAX_BATCH_ENTRIES):
             part = slice(i, i + MAX_BATCH_ENTRIES)
             rc = self.engine.batch_transfer_sync_write(
-                peer["session_id"], srcs[part], dsts[part], lens[part]
+                dest.session_id, srcs[part], dsts[part], lens[part]
             )
             if rc != 0:
-                raise TransferError(f"mooncake: batch write to {peer['session_id']} failed ({rc})")
+                raise TransferError(f"mooncake: batch write to {dest.session_id} failed ({rc})")

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
 
-from disagg.base import KVArgs, slot_runs
+from disagg.base import KVArgs, NixlPeer, TransferPeer, slot_runs
 from disagg.transfer.base import TransferBackend, TransferError
 
 TRANSFER_TIMEOUT_S = 60.0
@@ -28,32 +27,32 @@ class NixlTransfer(TransferBackend):
         self.agent.register_memory(kv.buffers())
         self.peers: dict[str, str] = {}
 
-    def peer_info(self) -> dict[str, Any]:
-        return {
-            "backend": "nixl",
-            "agent": self.name,
-            "metadata": self.agent.get_agent_metadata(),
-            "ptrs": [buf.data_ptr() for buf in self.kv.buffers()],
-            "device": self.kv.k_buffers[0].get_device() if self.mem_type == "VRAM" else 0,
-        }
+    def peer_info(self) -> NixlPeer:
+        return NixlPeer(
+            agent=self.name,
+            metadata=self.agent.get_agent_metadata(),
+            ptrs=tuple(buf.data_ptr() for buf in self.kv.buffers()),
+            device=self.kv.k_buffers[0].get_device() if self.mem_type == "VRAM" else 0,
+        )
 
-    def _peer_name(self, peer: dict[str, Any]) -> str:
-        name = self.peers.get(peer["agent"])
+    def _peer_name(self, peer: NixlPeer) -> str:
+        name = self.peers.get(peer.agent)
         if name is None:
-            name = self.peers[peer["agent"]] = self.agent.add_remote_agent(peer["metadata"])
+            name = self.peers[peer.agent] = self.agent.add_remote_agent(peer.metadata)
         return name
 
-    def write(self, peer: dict[str, Any], src_slots: list[int], dst_slots: list[int]) -> None:
+    def write(self, peer: TransferPeer, src_slots: list[int], dst_slots: list[int]) -> None:
+        dest = self.expect_peer(peer, NixlPeer)
         item = self.kv.item_bytes
         runs = slot_runs(src_slots, dst_slots)
         src, dst = [], []
         dev = max(self.kv.k_buffers[0].get_device(), 0)
-        for buf, dst_base in zip(self.kv.buffers(), peer["ptrs"], strict=True):
+        for buf, dst_base in zip(self.kv.buffers(), dest.ptrs, strict=True):
             base = buf.data_ptr()
             for s, d, n in runs:
                 src.append((base + s * item, n * item, dev))
-                dst.append((dst_base + d * item, n * item, peer["device"]))
-        name = self._peer_name(peer)
+                dst.append((dst_base + d * item, n * item, dest.device))
+        name = self._peer_name(dest)
         handle = self.agent.initialize_xfer(
             "WRITE",
             self.agent.get_xfer_descs(src, self.mem_type),

@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+import pickle
 import random
 
 import pytest
 import torch
 
-from disagg.base import KVArgs
+from disagg.base import KVArgs, KVRegister, LoopbackPeer, MooncakePeer
 from disagg.transfer import create_transfer_backend
+from disagg.transfer.base import TransferError
 
 
 def make_kv(slots: int = 8192, layers: int = 3) -> KVArgs:
@@ -44,3 +46,13 @@ def test_mooncake_fragmented_write() -> None:
     s, d = fragmented(3000, 8192, 3), fragmented(3000, 8192, 4)  # ~18k runs in all
     sender.write(receiver.peer_info(), s, d)
     check_copied(src, dst, s, d)
+
+
+def test_peer_records_pickle_and_a_backend_refuses_another_backends_peer() -> None:
+    peer = MooncakePeer("127.0.0.1:1234", (1, 2, 3))
+    reg = KVRegister(7, [1, 2], (3, 128), peer)
+    assert pickle.loads(pickle.dumps(reg)) == reg  # crosses the bootstrap channel
+    loopback = create_transfer_backend("loopback", make_kv(16), "127.0.0.1")
+    assert pickle.loads(pickle.dumps(loopback.peer_info())) == LoopbackPeer()
+    with pytest.raises(TransferError, match="same --disaggregation-transfer-backend"):
+        loopback.write(peer, [1], [2])
