@@ -2,33 +2,39 @@
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from typing import TYPE_CHECKING, Any
+
+from srt.utils.registry import Registry, is_package_installed
 
 if TYPE_CHECKING:
     import torch
 
     from attention.base import AttentionBackend
 
-# name -> (module, class, pip package the module needs or None). GPU backends (flashinfer)
-# register here with the package they need, which is only imported when one is chosen.
-_BACKENDS: dict[str, tuple[str, str, str | None]] = {
-    "torch_native": ("attention.torch_native_backend", "TorchNativeAttnBackend", None),
-    "flashinfer": ("attention.flashinfer_backend", "FlashInferAttnBackend", "flashinfer"),
-}
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "available_attention_backends",
+    "create_attention_backend",
+    "is_package_installed",
+    "resolve_attention_backend",
+]
+
+# GPU backends register with the package they need, which is only imported when one is chosen.
+ATTENTION_BACKENDS: Registry[AttentionBackend] = Registry("attention backend")
+ATTENTION_BACKENDS.register("torch_native", "attention.torch_native_backend:TorchNativeAttnBackend")
+ATTENTION_BACKENDS.register(
+    "flashinfer",
+    "attention.flashinfer_backend:FlashInferAttnBackend",
+    requires="flashinfer",
+    hint="pip install 'radixrt[gpu]', or use --attention-backend torch_native",
+)
 
 # FlashInfer has fp16 / bf16 kernels only.
 _FLASHINFER_DTYPES = ("float16", "bfloat16")
 
 
 def available_attention_backends() -> list[str]:
-    return sorted(_BACKENDS)
-
-
-def is_package_installed(name: str) -> bool:
-    """Whether `name` can be imported, without importing it."""
-    return importlib.util.find_spec(name) is not None
+    return ATTENTION_BACKENDS.names()
 
 
 def resolve_attention_backend(name: str, device: str, dtype: torch.dtype | str) -> str:
@@ -48,16 +54,4 @@ def resolve_attention_backend(name: str, device: str, dtype: torch.dtype | str) 
 
 def create_attention_backend(name: str, **kwargs: Any) -> AttentionBackend:
     """Build the backend registered as `name`; kwargs go to its constructor."""
-    try:
-        module_name, class_name, requirement = _BACKENDS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown attention backend {name!r}; choose one of {available_attention_backends()}"
-        ) from None
-    if requirement is not None and not is_package_installed(requirement):
-        raise ImportError(
-            f"attention backend {name!r} needs the {requirement!r} package, which is not "
-            f"installed (pip install 'radixrt[gpu]'); use --attention-backend torch_native"
-        )
-    module = importlib.import_module(module_name)
-    return getattr(module, class_name)(**kwargs)
+    return ATTENTION_BACKENDS.create(name, **kwargs)

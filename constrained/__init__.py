@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from constrained.base_grammar_backend import BaseGrammarBackend
+from srt.utils.registry import Registry
 
-GRAMMAR_BACKENDS = ("xgrammar", "none")
+if TYPE_CHECKING:
+    from constrained.base_grammar_backend import BaseGrammarBackend
+
+
+def _no_grammar_backend(*args: Any) -> None:
+    """`--grammar-backend none`: the scheduler refuses constrained requests with a 400."""
+
+
+GRAMMAR_BACKENDS: Registry[BaseGrammarBackend | None] = Registry("grammar backend")
+GRAMMAR_BACKENDS.register(
+    "xgrammar", "constrained.xgrammar_backend:XGrammarBackend", requires="xgrammar"
+)
+GRAMMAR_BACKENDS.register("none", _no_grammar_backend)
 
 
 def create_grammar_backend(
     name: str, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]
 ) -> BaseGrammarBackend | None:
-    if name == "none" or tokenizer is None:
+    # Without a tokenizer (--skip-tokenizer-init) there is no vocabulary to compile against.
+    if tokenizer is None:
         return None
-    if name == "xgrammar":
-        from constrained.xgrammar_backend import XGrammarBackend
-
-        return XGrammarBackend(tokenizer, vocab_size, eos_token_ids)
-    raise ValueError(f"unknown grammar backend {name!r}; choose from {GRAMMAR_BACKENDS}")
+    return GRAMMAR_BACKENDS.create(name, tokenizer, vocab_size, eos_token_ids)

@@ -8,6 +8,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
+from srt.utils.registry import Registry
+
 if TYPE_CHECKING:
     from mem_cache.radix_cache import TreeNode
 
@@ -37,16 +39,10 @@ class LFUStrategy(EvictionStrategy):
         return (node.hit_count, node.last_access_time)
 
 
-EVICTION_POLICIES: dict[str, type[EvictionStrategy]] = {
-    LRUStrategy.name: LRUStrategy,
-    LFUStrategy.name: LFUStrategy,
-}
+EVICTION_POLICIES: Registry[EvictionStrategy] = Registry("eviction policy")
+EVICTION_POLICIES.register(LRUStrategy.name, LRUStrategy)
+EVICTION_POLICIES.register(LFUStrategy.name, LFUStrategy)
 
 
 def get_eviction_strategy(name: str) -> EvictionStrategy:
-    try:
-        return EVICTION_POLICIES[name]()
-    except KeyError:
-        raise ValueError(
-            f"unknown eviction policy {name!r}; choose from {sorted(EVICTION_POLICIES)}"
-        ) from None
+    return EVICTION_POLICIES.create(name)

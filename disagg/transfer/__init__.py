@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
-import importlib
+from typing import TYPE_CHECKING
 
-from disagg.transfer.base import TransferBackend
+from srt.utils.registry import Registry
 
-TRANSFER_BACKENDS = {
-    "loopback": ("disagg.transfer.loopback", "LoopbackTransfer"),
-    "mooncake": ("disagg.transfer.mooncake", "MooncakeTransfer"),
-    "nixl": ("disagg.transfer.nixl", "NixlTransfer"),
-}
+if TYPE_CHECKING:
+    from disagg.base import KVArgs
+    from disagg.transfer.base import TransferBackend
+
+_DISAGG_EXTRA = "pip install 'radixrt[disagg]'"
+
+TRANSFER_BACKENDS: Registry[TransferBackend] = Registry("transfer backend")
+TRANSFER_BACKENDS.register(
+    "mooncake", "disagg.transfer.mooncake:MooncakeTransfer", requires="mooncake", hint=_DISAGG_EXTRA
+)
+TRANSFER_BACKENDS.register(
+    "nixl", "disagg.transfer.nixl:NixlTransfer", requires="nixl", hint=_DISAGG_EXTRA
+)
+TRANSFER_BACKENDS.register("loopback", "disagg.transfer.loopback:LoopbackTransfer")
 
 
-def create_transfer_backend(name: str, kv: object, host: str) -> TransferBackend:
-    module_name, class_name = TRANSFER_BACKENDS[name]
-    return getattr(importlib.import_module(module_name), class_name)(kv, host)
+def create_transfer_backend(name: str, kv: KVArgs, host: str) -> TransferBackend:
+    return TRANSFER_BACKENDS.create(name, kv, host)

@@ -16,6 +16,7 @@ import torch
 from attention import registry
 from attention.registry import create_attention_backend, resolve_attention_backend
 from srt.model_executor.forward_batch import ForwardMode
+from srt.utils import registry as srt_registry
 from tests.attention.fake_flashinfer import make_fake_flashinfer
 from tests.attention.test_torch_native_backend import Harness
 
@@ -142,6 +143,7 @@ def test_auto_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_flashinfer_missing_gives_install_hint(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(registry, "is_package_installed", lambda name: False)
+    # The registry checks the requirement (srt.utils.registry), not attention.registry.
+    monkeypatch.setattr(srt_registry, "is_package_installed", lambda name: False)
     with pytest.raises(ImportError, match="torch_native"):
         create_attention_backend("flashinfer", num_heads=4, num_kv_heads=2, head_dim=16)

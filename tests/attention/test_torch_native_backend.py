@@ -191,9 +191,10 @@ def test_registry():
 def test_registry_names_missing_package(monkeypatch: pytest.MonkeyPatch):
     """A backend whose pip package is absent fails with an install hint, before any import."""
     from attention import registry
+    from srt.utils.registry import Registry
 
-    monkeypatch.setitem(
-        registry._BACKENDS, "needs_pkg", ("attention.nowhere", "Nothing", "no_such_pkg_xyz")
-    )
+    backends = Registry("attention backend")
+    backends.register("needs_pkg", "attention.nowhere:Nothing", requires="no_such_pkg_xyz")
+    monkeypatch.setattr(registry, "ATTENTION_BACKENDS", backends)
     with pytest.raises(ImportError, match="no_such_pkg_xyz"):
         create_attention_backend("needs_pkg")
