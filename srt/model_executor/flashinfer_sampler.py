@@ -9,21 +9,16 @@ reproducible per request; that is why they are opt-in.
 
 Only the draw of sampled rows changes: penalties, logprobs, greedy rows and the filter
 semantics (top_k and top_p both judged on the full distribution: FlashInfer's "joint"
-order) are the seeded sampler's. Batches with min_p, CPU logits, or no flashinfer fall
-back to the seeded draw.
+order) are the seeded sampler's. Batches with min_p or CPU logits fall back to the seeded
+draw. `srt/sampling/registry.py` builds this sampler only on CUDA with flashinfer installed.
 """
 
 from __future__ import annotations
-
-import importlib.util
-import logging
 
 import torch
 
 from srt.sampling.sampler import Sampler
 from srt.sampling.sampling_batch_info import SamplingBatchInfo
-
-logger = logging.getLogger(__name__)
 
 
 class FlashInferSampler(Sampler):
@@ -52,16 +47,3 @@ class FlashInferSampler(Sampler):
         next_ids = logits.argmax(dim=-1)
         next_ids[rows] = sampled
         return next_ids
-
-
-def make_sampler(backend: str, device: str) -> Sampler:
-    """The seeded sampler, or FlashInfer's kernels when asked for and usable."""
-    if backend == "seeded":
-        return Sampler()
-    if backend != "flashinfer":
-        raise ValueError(f"unknown sampling backend {backend!r}")
-    if device.startswith("cuda") and importlib.util.find_spec("flashinfer") is not None:
-        logger.info("Sampling with FlashInfer's top-k/top-p kernels (not seed-reproducible)")
-        return FlashInferSampler()
-    logger.warning("--sampling-backend flashinfer needs CUDA and flashinfer; using seeded")
-    return Sampler()

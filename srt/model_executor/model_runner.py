@@ -25,7 +25,6 @@ from mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from srt.configs.model_config import ModelConfig
 from srt.layers.cpu_packed import prepack_cpu_weights
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner
-from srt.model_executor.flashinfer_sampler import make_sampler
 from srt.model_executor.forward_batch import ForwardBatch
 from srt.model_executor.memory_sizing import (
     CPU_DEFAULT_MEM_FRACTION,
@@ -42,6 +41,7 @@ from srt.model_executor.memory_sizing import (
     sampler_reserve_bytes,
 )
 from srt.model_loader.loader import get_model
+from srt.sampling.registry import make_sampler
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from srt.model_executor.flashinfer_sampler import FlashInferSampler, make_sampler
+from srt.model_executor.flashinfer_sampler import FlashInferSampler
+from srt.sampling.registry import make_sampler
 from srt.sampling.sampler import Sampler
 from srt.sampling.sampling_batch_info import SamplingBatchInfo
 from srt.sampling.sampling_params import SamplingParams

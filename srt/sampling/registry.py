@@ -1,0 +1,40 @@
+"""Samplers by name (`--sampling-backend`).
+
+"seeded" (the default) is the per-request reproducible sampler (`srt/sampling/sampler.py`).
+"flashinfer" uses FlashInfer's top-k / top-p kernels (`srt/model_executor/flashinfer_sampler.py`)
+when the device is CUDA and flashinfer is installed; otherwise it warns and uses the seeded
+sampler.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from srt.sampling.sampler import Sampler
+from srt.utils.registry import Registry, is_package_installed
+
+logger = logging.getLogger(__name__)
+
+
+def _seeded_sampler(device: str) -> Sampler:
+    return Sampler()
+
+
+def _flashinfer_sampler(device: str) -> Sampler:
+    if device.startswith("cuda") and is_package_installed("flashinfer"):
+        from srt.model_executor.flashinfer_sampler import FlashInferSampler
+
+        logger.info("Sampling with FlashInfer's top-k/top-p kernels (not seed-reproducible)")
+        return FlashInferSampler()
+    logger.warning("--sampling-backend flashinfer needs CUDA and flashinfer; using seeded")
+    return Sampler()
+
+
+SAMPLERS: Registry[Sampler] = Registry("sampling backend")
+SAMPLERS.register("seeded", _seeded_sampler)
+SAMPLERS.register("flashinfer", _flashinfer_sampler)
+
+
+def make_sampler(backend: str, device: str) -> Sampler:
+    """The seeded sampler, or FlashInfer's kernels when asked for and usable."""
+    return SAMPLERS.create(backend, device)
