@@ -1,8 +1,11 @@
 """Server configuration: one dataclass; argparse is generated from its fields.
 
 Each field's `metadata` carries the help text and, where it applies, the allowed choices, so a
-flag cannot drift from the field it sets. Flag names follow SGLang's where the concept is
-shared (`--model-path`, `--page-size`, `--chunked-prefill-size`, ...).
+flag cannot drift from the field it sets. The choices of a pluggable part (attention, grammar,
+transfer and sampling backends, eviction policies) are its registry's names, read when the
+parser is built: the registries live in packages that import torch, and importing this module
+must stay cheap. Flag names follow SGLang's where the concept is shared (`--model-path`,
+`--page-size`, `--chunked-prefill-size`, ...).
 """
 
 from __future__ import annotations
@@ -10,14 +13,31 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Union, get_args, get_origin, get_type_hints
+
+from srt.utils.registry import import_target
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
-def _opt(default: Any, help: str, choices: list[Any] | None = None) -> Any:
+def _opt(
+    default: Any, help: str, choices: list[Any] | Callable[[], list[Any]] | None = None
+) -> Any:
+    """A field with its help text and allowed values: a list, or a function giving the list
+    when the parser is built."""
     return field(default=default, metadata={"help": help, "choices": choices})
+
+
+def _registry_names(registry: str, *extra: str) -> Callable[[], list[str]]:
+    """Choices = `extra` + the names of the registry at "module:ATTR", imported only when
+    called (see the module docstring)."""
+
+    def names() -> list[str]:
+        return [*extra, *import_target(registry).names()]
+
+    return names
 
 
 @dataclass
@@ -59,7 +79,11 @@ class ServerArgs:
     schedule_policy: str = _opt("lpm", "waiting-queue order", ["lpm", "fcfs", "dfs-weight"])
     schedule_conservativeness: float = _opt(1.0, "scales the decode-growth reservation")
     disable_radix_cache: bool = _opt(False, "no prefix sharing (ChunkCache)")
-    radix_eviction_policy: str = _opt("lru", "eviction order of the radix cache", ["lru", "lfu"])
+    radix_eviction_policy: str = _opt(
+        "lru",
+        "eviction order of the radix cache",
+        _registry_names("mem_cache.evict_policy:EVICTION_POLICIES"),
+    )
     enable_mixed_chunk: bool = _opt(False, "run decodes together with a prefill chunk")
     disable_overlap_schedule: bool = _opt(False, "use the normal (non-overlap) event loop")
     # Prefill/decode disaggregation
@@ -67,14 +91,18 @@ class ServerArgs:
         "null", "serve as a prefill or decode server of a PD pair", ["null", "prefill", "decode"]
     )
     disaggregation_transfer_backend: str = _opt(
-        "mooncake", "how KV moves between the servers", ["mooncake", "nixl", "loopback"]
+        "mooncake",
+        "how KV moves between the servers",
+        _registry_names("disagg.transfer:TRANSFER_BACKENDS"),
     )
     disaggregation_bootstrap_port: int = _opt(8998, "prefill side: the bootstrap port")
     disaggregation_timeout: float = _opt(
         30.0, "seconds a disaggregated request may wait for its peer before it fails"
     )
     # Constrained decoding
-    grammar_backend: str = _opt("xgrammar", "grammar backend", ["xgrammar", "none"])
+    grammar_backend: str = _opt(
+        "xgrammar", "grammar backend", _registry_names("constrained:GRAMMAR_BACKENDS")
+    )
     grammar_compile_timeout: float = _opt(
         60.0, "seconds a request waits for its grammar to compile before it fails"
     )
@@ -83,7 +111,7 @@ class ServerArgs:
         "auto",
         "attention kernels (auto: flashinfer on CUDA with fp16/bf16 when installed, "
         "else torch_native)",
-        ["auto", "torch_native", "flashinfer"],
+        _registry_names("attention.registry:ATTENTION_BACKENDS", "auto"),
     )
     disable_cuda_graph: bool = _opt(False, "run decode eagerly instead of replaying CUDA graphs")
     disable_cpu_weight_prepack: bool = _opt(
@@ -96,7 +124,7 @@ class ServerArgs:
         "seeded",
         "seeded: per-request reproducible sampler (default); flashinfer: its top-k/top-p "
         "kernels on CUDA when installed (not reproducible per request)",
-        ["seeded", "flashinfer"],
+        _registry_names("srt.sampling.registry:SAMPLERS"),
     )
     # Observability
     log_level: str = _opt("info", "logging level", ["debug", "info", "warning", "error"])
@@ -135,6 +163,13 @@ class ServerArgs:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     @staticmethod
+    def choices(name: str) -> list[Any] | None:
+        """The allowed values of field `name`; None when any value of its type goes."""
+        fields = {f.name: f for f in dataclasses.fields(ServerArgs)}
+        choices = fields[name].metadata.get("choices")
+        return choices() if callable(choices) else choices
+
+    @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         hints = get_type_hints(ServerArgs)
         for f in dataclasses.fields(ServerArgs):
@@ -148,8 +183,9 @@ class ServerArgs:
             if base is bool:
                 parser.add_argument(flag, action="store_true", **kwargs)
                 continue
-            if f.metadata.get("choices"):
-                kwargs["choices"] = f.metadata["choices"]
+            choices = ServerArgs.choices(f.name)
+            if choices:
+                kwargs["choices"] = choices
             parser.add_argument(flag, type=base, **kwargs)
 
     @classmethod
