@@ -1,8 +1,8 @@
-"""Abstract prefix cache: the interface the scheduler programs against.
+"""Abstract prefix cache: a tree from token ids to KV slot indices, as `KVManager` uses it.
 
 Two implementations: `RadixCache` (prefix sharing, the default) and `ChunkCache` (no
-sharing, `--disable-radix-cache`). See `radix_cache.py` for the ownership rules between the
-tree, the allocator and running requests.
+sharing, `--disable-radix-cache`). A prefix cache never sees a request or the allocator: it
+returns what it evicts, and `KVManager` (kv_manager.py) owns the slots around it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class MatchResult:
 
 class BasePrefixCache(ABC):
     page_size: int
-    disable: bool
+    shares: bool  # False: nothing is ever inserted, a request keeps its slots to the end
 
     @abstractmethod
     def match_prefix(self, key: list[int], extra_key: str | None = None) -> MatchResult: ...
@@ -36,14 +36,8 @@ class BasePrefixCache(ABC):
         """Insert; return the length of the prefix that was already present."""
 
     @abstractmethod
-    def cache_finished_req(self, req: Any) -> None: ...
-
-    @abstractmethod
-    def cache_unfinished_req(self, req: Any) -> None: ...
-
-    @abstractmethod
-    def evict(self, num_tokens: int) -> int:
-        """Evict at least `num_tokens` if possible; return tokens freed."""
+    def evict(self, num_tokens: int) -> torch.Tensor:
+        """Evict at least `num_tokens` if possible; return the evicted slots."""
 
     @abstractmethod
     def inc_lock_ref(self, node: Any) -> int: ...

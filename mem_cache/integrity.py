@@ -1,21 +1,22 @@
 """Proof that no KV page is leaked or owned twice.
 
 Every page 1..num_pages must be owned by exactly one of: the allocator's free list, a radix
-tree node, or a running request's own tail (`req_to_token[row, cache_protected_len:
-kv_allocated_len]`), and `free + evictable + protected + running tails == total` in tokens.
-Called by the scheduler when idle (debug mode) and by tests after every step.
+tree node, or a running request's own positions (`req_to_token[row, protected_len:
+allocated_len]` of its `KVSpan`), and `free + evictable + protected + own == total` in tokens.
+`KVManager.check_integrity` calls it when the scheduler goes idle; tests call it after steps.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     from mem_cache.allocator import TokenToKVPoolAllocator
     from mem_cache.base_prefix_cache import BasePrefixCache
+    from mem_cache.kv_manager import KVSpan
     from mem_cache.memory_pool import ReqToTokenPool
 
 _MAX_LISTED = 8
@@ -38,12 +39,12 @@ def _fmt(pages: torch.Tensor) -> str:
 def check_memory_integrity(
     allocator: TokenToKVPoolAllocator,
     tree_cache: BasePrefixCache,
-    running_reqs: Iterable[Any] = (),
+    spans: Iterable[KVSpan] = (),
     req_to_token_pool: ReqToTokenPool | None = None,
 ) -> None:
     ps = allocator.page_size
     num_pages = allocator.num_pages
-    pool = req_to_token_pool or getattr(tree_cache, "req_to_token_pool", None)
+    pool = req_to_token_pool
     errors: list[str] = []
 
     owners: list[tuple[str, torch.Tensor]] = [("free list", allocator.free_pages())]
@@ -62,19 +63,18 @@ def check_memory_integrity(
     owners.append(("tree", tree_pages))
 
     req_tokens = 0
-    for req in running_reqs:
-        rid = getattr(req, "rid", req.req_pool_idx)
-        if req.req_pool_idx is None:
+    for span in spans:
+        if span.row is None:
             continue
-        node = req.last_node
+        node = span.last_node
         if node is not None and getattr(node, "lock_ref", 1) <= 0:
-            errors.append(f"req {rid} holds last_node #{node.id} that is not locked")
+            errors.append(f"row {span.row} holds last_node #{node.id} that is not locked")
         if pool is None:
-            raise ValueError("running_reqs given but no req_to_token_pool available")
-        own = pool.req_to_token[req.req_pool_idx, req.cache_protected_len : req.kv_allocated_len]
+            raise ValueError("spans given but no req_to_token_pool")
+        own = pool.req_to_token[span.row, span.protected_len : span.allocated_len]
         own_pages = torch.unique(_pages_of(own, ps))
         req_tokens += len(own_pages) * ps
-        owners.append((f"req {rid}", own_pages))
+        owners.append((f"row {span.row}", own_pages))
 
     all_pages = torch.cat([p for _, p in owners])
     bad = all_pages[(all_pages < 1) | (all_pages > num_pages)]

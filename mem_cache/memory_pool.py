@@ -1,11 +1,11 @@
 """Memory pools: request rows and per-layer KV storage.
 
 Ownership:
-- `ReqToTokenPool` hands out rows of `req_to_token` (one per running request). The scheduler
-  allocates a row when a request is admitted; the prefix cache frees it in
-  `cache_finished_req`. A row's entries are KV slot indices of that request's token positions;
-  which of those slots the request owns (versus the radix tree) is tracked by the request's
-  `cache_protected_len`, not here.
+- `ReqToTokenPool` hands out rows of `req_to_token` (one per running request). `KVManager`
+  takes a row when a request is first allocated KV and frees it when the request finishes or
+  is retracted. A row's entries are KV slot indices of that request's token positions; which
+  of those slots the request owns (versus the radix tree) is tracked by its `KVSpan`
+  (`protected_len`), not here.
 - `MHATokenToKVPool` only stores K/V. It never decides who owns a slot: the
   `TokenToKVPoolAllocator` (allocator.py) owns the free list. Page 0 (slots
   0..page_size-1) is a dummy that padded writes may target and that is never allocated.

@@ -1,21 +1,18 @@
-"""Radix tree from token-id sequences to KV slot indices.
+"""Radix tree from token-id sequences to KV slot indices: a pure tree.
 
-Ownership and lifecycle:
-- The allocator owns free slots. A slot (page, when page_size > 1) moves into the tree when
-  `insert` stores it in a new node, and back to the allocator only through `evict`.
-- A running request owns the slots of its positions >= `req.cache_protected_len`; positions
-  below are tree slots it keeps alive by holding a lock on `req.last_node`.
-- `cache_unfinished_req` (chunk boundary) inserts the request's page-aligned KV, frees the
-  slots the tree already had (duplicates), re-matches, re-locks and points the request's
-  `req_to_token` row at the tree's slots. `cache_finished_req` does the insert + duplicate
-  free, frees the unaligned tail, unlocks and releases the row.
+It never sees a request or the allocator. `KVManager` (kv_manager.py) inserts a request's
+slots, frees the duplicates `insert` reports, and frees what `evict` returns.
+- `insert(key, slots)` stores the part of `key` not yet present and returns the length that
+  was already present (the caller's slots for that part are duplicates).
+- `match_prefix(key)` returns the slots of the longest cached prefix and its last node,
+  splitting a node when the match ends inside it.
 - Locks (`inc_lock_ref` / `dec_lock_ref`) walk to the root; a node with lock_ref 0 counts in
-  `evictable_size`, one above 0 in `protected_size`. Only leaves with lock_ref 0 are evicted.
+  `evictable_size`, one above 0 in `protected_size`. `evict(n)` removes unlocked leaves by the
+  eviction policy until n tokens are gone and returns their slots.
 
 Keys are page-aligned: with page_size > 1 children are keyed by their first page (a tuple)
 and matches stop on page boundaries. Requests with different `extra_key` live in disjoint
 subtrees: the root's children are keyed by `(extra_key, first)` when extra_key is not None.
-With both pools None the tree is pool-less (simulation): eviction just drops nodes.
 Access times come from a per-tree counter, not the wall clock, so tests are deterministic.
 """
 
@@ -25,17 +22,12 @@ import heapq
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from mem_cache.base_prefix_cache import BasePrefixCache, MatchResult
-from mem_cache.chunk_cache import keep_req_unshared, release_req_unshared, req_allocated_len
 from mem_cache.evict_policy import get_eviction_strategy
-
-if TYPE_CHECKING:
-    from mem_cache.allocator import TokenToKVPoolAllocator
-    from mem_cache.memory_pool import ReqToTokenPool
 
 logger = logging.getLogger(__name__)
 
@@ -63,18 +55,10 @@ class TreeNode:
 
 
 class RadixCache(BasePrefixCache):
-    def __init__(
-        self,
-        req_to_token_pool: ReqToTokenPool | None,
-        token_to_kv_pool_allocator: TokenToKVPoolAllocator | None,
-        page_size: int = 1,
-        eviction_policy: str = "lru",
-        disable: bool = False,
-    ):
-        self.req_to_token_pool = req_to_token_pool
-        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+    shares = True
+
+    def __init__(self, page_size: int = 1, eviction_policy: str = "lru") -> None:
         self.page_size = page_size
-        self.disable = disable
         self.eviction_strategy = get_eviction_strategy(eviction_policy)
         self._clock = 0
         self.reset()
@@ -82,7 +66,7 @@ class RadixCache(BasePrefixCache):
     # -- sizes / lifecycle ----------------------------------------------------------------
 
     def reset(self) -> None:
-        """Drop every node (slots are not freed: clear the allocator alongside)."""
+        """Drop every node (their slots are not returned: the owner clears its allocator)."""
         self.root = TreeNode(lock_ref=1)
         self._evictable_size = 0
         self._protected_size = 0
@@ -127,7 +111,7 @@ class RadixCache(BasePrefixCache):
     # -- match / insert ---------------------------------------------------------------------
 
     def match_prefix(self, key: list[int], extra_key: str | None = None) -> MatchResult:
-        if self.disable or not key:
+        if not key:
             return MatchResult(_EMPTY.clone(), self.root)
         key = key[: self._aligned(len(key))]
         now = self._tick()
@@ -151,8 +135,6 @@ class RadixCache(BasePrefixCache):
         return MatchResult(indices, node)
 
     def insert(self, key: list[int], value: torch.Tensor, extra_key: str | None = None) -> int:
-        if self.disable:
-            return 0
         aligned = self._aligned(len(key))
         key, value = key[:aligned], value[:aligned].to(torch.int64)
         now = self._tick()
@@ -238,9 +220,10 @@ class RadixCache(BasePrefixCache):
             stack.extend(node.children.values())
         return out
 
-    def evict(self, num_tokens: int) -> int:
-        if self.disable or num_tokens <= 0:
-            return 0
+    def evict(self, num_tokens: int) -> torch.Tensor:
+        """Remove unlocked leaves (policy order) until `num_tokens` are gone; their slots."""
+        if num_tokens <= 0:
+            return _EMPTY.clone()
         prio = self.eviction_strategy.priority
         heap = [
             (prio(n), n.id, n)
@@ -260,52 +243,7 @@ class RadixCache(BasePrefixCache):
             self._evictable_size -= len(node.key)
             if parent is not self.root and parent.is_leaf() and parent.lock_ref == 0:
                 heapq.heappush(heap, (prio(parent), parent.id, parent))
-        if released and self.token_to_kv_pool_allocator is not None:
-            self.token_to_kv_pool_allocator.free(torch.cat(released))
-        return freed
-
-    # -- requests -----------------------------------------------------------------------------
-
-    def cache_finished_req(self, req: Any) -> None:
-        assert self.req_to_token_pool is not None and self.token_to_kv_pool_allocator is not None
-        if self.disable:
-            release_req_unshared(req, self.req_to_token_pool, self.token_to_kv_pool_allocator)
-            return
-        allocator = self.token_to_kv_pool_allocator
-        tokens = req.kv_token_ids()
-        n = req_allocated_len(req, len(tokens))
-        kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, :n].to(torch.int64)
-        aligned = self._aligned(len(tokens))
-        present = self.insert(tokens[:aligned], kv[:aligned], req.extra_key)
-        allocator.free(kv[req.cache_protected_len : present])
-        allocator.free(kv[aligned:])
-        self.dec_lock_ref(req.last_node)
-        self.req_to_token_pool.free(req.req_pool_idx)
-        req.req_pool_idx = None
-        req.last_node = None
-        req.prefix_indices = _EMPTY.clone()
-        req.cache_protected_len = 0
-
-    def cache_unfinished_req(self, req: Any) -> None:
-        assert self.req_to_token_pool is not None and self.token_to_kv_pool_allocator is not None
-        if self.disable:
-            keep_req_unshared(req, self.req_to_token_pool)
-            return
-        row = req.req_pool_idx
-        tokens = req.kv_token_ids()
-        n = len(tokens)
-        kv = self.req_to_token_pool.req_to_token[row, :n].to(torch.int64)
-        aligned = self._aligned(n)
-        present = self.insert(tokens[:aligned], kv[:aligned], req.extra_key)
-        self.token_to_kv_pool_allocator.free(kv[req.cache_protected_len : present])
-        match = self.match_prefix(tokens[:aligned], req.extra_key)
-        assert match.prefix_len == aligned, (match.prefix_len, aligned)
-        self.req_to_token_pool.req_to_token[row, :aligned] = match.device_indices.to(torch.int32)
-        self.inc_lock_ref(match.last_node)
-        self.dec_lock_ref(req.last_node)
-        req.prefix_indices = torch.cat((match.device_indices, kv[aligned:n]))
-        req.last_node = match.last_node
-        req.cache_protected_len = aligned
+        return torch.cat(released) if released else _EMPTY.clone()
 
     # -- introspection ------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""cache_finished_req / cache_unfinished_req against real pools (see conftest.MemEnv)."""
+"""KVManager.cache_finished / cache_unfinished against real pools (see conftest.MemEnv)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ from typing import Any
 
 import pytest
 import torch
-
-from mem_cache.radix_cache import RadixCache
 
 Env = Callable[..., Any]
 
@@ -27,10 +25,10 @@ def test_finish_inserts_and_next_req_hits(make_env: Env, page_size: int) -> None
     env.check()
     aligned = 10 // page_size * page_size
     assert env.cache.total_size() == aligned and env.cache.protected_size() == 0
-    assert a.req_pool_idx is None and a.last_node is None and a.cache_protected_len == 0
+    assert a.kv.row is None and a.kv.last_node is None and a.kv.protected_len == 0
     assert env.pool.available_size() == env.pool.size
     b = env.admit(list(range(1, 13)))
-    assert b.cache_protected_len == aligned
+    assert b.kv.protected_len == aligned
     assert row_slots(env, b, aligned) == a_slots[:aligned]
     assert env.cache.protected_size() == aligned
     env.check()
@@ -45,7 +43,7 @@ def test_concurrent_duplicates_are_freed(make_env: Env, page_size: int) -> None:
     prompt = list(range(20, 29))  # 9 tokens
     a = env.admit(prompt)
     b = env.admit(prompt)  # nothing cached yet: b owns its own copy
-    assert b.cache_protected_len == 0
+    assert b.kv.protected_len == 0
     env.check()
     free_before = env.allocator.available_size()
     env.finish(a)
@@ -79,19 +77,19 @@ def test_chunked_prefill_unfinished_then_finished(make_env: Env, page_size: int)
     prompt = list(range(100, 114))  # 14 tokens in chunks of 5, 5, 4
     r = env.admit(prompt, n_kv=5)
     own_tail = row_slots(env, r, 5)[5 // page_size * page_size :]
-    env.cache.cache_unfinished_req(r)
+    env.kv.cache_unfinished(r)
     env.check()
     aligned = 5 // page_size * page_size
-    assert r.cache_protected_len == aligned and r.req_pool_idx is not None
+    assert r.kv.protected_len == aligned and r.kv.row is not None
     assert env.cache.total_size() == aligned and env.cache.protected_size() == aligned
-    assert r.last_node.lock_ref == 1
+    assert r.kv.last_node.lock_ref == 1
     tree_part = env.cache.match_prefix(prompt[:aligned]).device_indices.tolist()
-    assert r.prefix_indices.tolist() == tree_part + own_tail
+    assert r.kv.prefix_indices.tolist() == tree_part + own_tail
     assert row_slots(env, r, 5) == tree_part + own_tail
     env.extend(r, 5)
-    env.cache.cache_unfinished_req(r)
+    env.kv.cache_unfinished(r)
     env.check()
-    assert r.cache_protected_len == 10 // page_size * page_size
+    assert r.kv.protected_len == 10 // page_size * page_size
     assert env.cache.evictable_size() == 0  # the whole cached prefix is locked by r
     env.extend(r, 4)
     env.check()
@@ -110,7 +108,7 @@ def test_unfinished_replaces_duplicates_with_tree_slots(make_env: Env, page_size
     a_slots = row_slots(env, a, 12)
     env.finish(a)
     used_before = env.allocator.total_size() - env.allocator.available_size()
-    env.cache.cache_unfinished_req(b)
+    env.kv.cache_unfinished(b)
     env.check()
     aligned = 9 // page_size * page_size
     assert row_slots(env, b, aligned) == a_slots[:aligned]
@@ -131,7 +129,7 @@ def test_retract_then_resume_matches(make_env: Env) -> None:
     env.finish(r)  # retraction uses the same path
     env.check()
     again = env.admit(kv_tokens + [99])
-    assert again.cache_protected_len == 12
+    assert again.kv.protected_len == 12
     env.finish(again)
     env.check()
 
@@ -141,9 +139,9 @@ def test_extra_key_requests_do_not_share(make_env: Env) -> None:
     a = env.admit([1, 2, 3, 4], extra_key="lora-a")
     env.finish(a)
     b = env.admit([1, 2, 3, 4, 5])
-    assert b.cache_protected_len == 0
+    assert b.kv.protected_len == 0
     c = env.admit([1, 2, 3, 4, 5], extra_key="lora-a")
-    assert c.cache_protected_len == 4
+    assert c.kv.protected_len == 4
     env.check()
     env.finish(b)
     env.finish(c)
@@ -166,9 +164,9 @@ def test_chunk_cache(make_env: Env, page_size: int) -> None:
     env = make_env(page_size=page_size, chunk=True)
     c = env.cache
     r = env.admit(list(range(10)), n_kv=6)
-    assert r.cache_protected_len == 0 and r.last_node is None
-    c.cache_unfinished_req(r)
-    assert r.prefix_indices.tolist() == row_slots(env, r, 6) and r.cache_protected_len == 0
+    assert r.kv.protected_len == 0 and r.kv.last_node is None
+    env.kv.cache_unfinished(r)
+    assert r.kv.prefix_indices.tolist() == row_slots(env, r, 6) and r.kv.protected_len == 0
     env.check()
     env.extend(r, 4)
     env.decode(r, 10)
@@ -177,19 +175,6 @@ def test_chunk_cache(make_env: Env, page_size: int) -> None:
     assert env.allocator.available_size() == env.allocator.total_size()
     assert env.pool.available_size() == env.pool.size
     assert (c.evictable_size(), c.protected_size(), c.total_size()) == (0, 0, 0)
-    assert c.evict(10) == 0 and c.inc_lock_ref(None) == 0 and c.dec_lock_ref(None) == 0
+    assert len(c.evict(10)) == 0 and c.inc_lock_ref(None) == 0 and c.dec_lock_ref(None) == 0
     assert c.insert([1, 2], torch.tensor([1, 2])) == 0
     assert c.match_prefix([0, 1, 2]).prefix_len == 0
-
-
-def test_disabled_radix_cache_behaves_like_chunk_cache(make_env: Env) -> None:
-    env = make_env()
-    env.cache = RadixCache(env.pool, env.allocator, disable=True)
-    r = env.admit(list(range(8)), n_kv=5)
-    env.cache.cache_unfinished_req(r)
-    assert r.prefix_indices.tolist() == row_slots(env, r, 5)
-    env.extend(r, 3)
-    env.finish(r)
-    env.check()
-    assert env.allocator.available_size() == env.allocator.total_size()
-    assert env.cache.total_size() == 0

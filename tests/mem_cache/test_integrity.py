@@ -15,12 +15,12 @@ Env = Callable[..., Any]
 
 def test_clean_state_passes() -> None:
     alloc = TokenToKVPoolAllocator(16, page_size=4)
-    check_memory_integrity(alloc, RadixCache(None, alloc, page_size=4))
+    check_memory_integrity(alloc, RadixCache(page_size=4))
 
 
 def test_detects_leak() -> None:
     alloc = TokenToKVPoolAllocator(16)
-    cache = RadixCache(None, alloc)
+    cache = RadixCache()
     x = alloc.alloc(3)
     assert x is not None
     with pytest.raises(MemoryLeakError, match=r"3 page\(s\) leaked") as info:
@@ -33,7 +33,7 @@ def test_detects_leak() -> None:
 
 def test_detects_tree_and_free_list_double_ownership() -> None:
     alloc = TokenToKVPoolAllocator(16)
-    cache = RadixCache(None, alloc)
+    cache = RadixCache()
     x = alloc.alloc(2)
     assert x is not None
     cache.insert([1, 2], x)
@@ -50,7 +50,7 @@ def test_detects_double_free() -> None:
     alloc.free(x)
     alloc.free(x)
     with pytest.raises(MemoryLeakError, match="double free"):
-        check_memory_integrity(alloc, RadixCache(None, alloc, page_size=4))
+        check_memory_integrity(alloc, RadixCache(page_size=4))
 
 
 def test_running_req_tail_is_owned(make_env: Env) -> None:
@@ -62,7 +62,7 @@ def test_running_req_tail_is_owned(make_env: Env) -> None:
     # a request claiming tree pages as its own is double ownership
     env.finish(r)
     r2 = env.admit(list(range(10)))
-    r2.cache_protected_len = 0
+    r2.kv.protected_len = 0
     with pytest.raises(MemoryLeakError, match="owned by 2 owners"):
         env.check()
 
@@ -77,14 +77,14 @@ def test_detects_size_counter_drift_and_unlocked_last_node(make_env: Env) -> Non
     with pytest.raises(MemoryLeakError, match="tree counters"):
         env.check()
     env.cache._evictable_size -= 1
-    r.last_node.lock_ref = 0
+    r.kv.last_node.lock_ref = 0
     with pytest.raises(MemoryLeakError, match="not locked"):
         env.check()
 
 
 def test_token_usage() -> None:
     alloc = TokenToKVPoolAllocator(10)
-    cache = RadixCache(None, alloc)
+    cache = RadixCache()
     assert token_usage(alloc, cache) == 0.0
     x = alloc.alloc(4)
     assert x is not None

@@ -11,18 +11,15 @@ def vals(start: int, n: int) -> torch.Tensor:
     return torch.arange(start, start + n, dtype=torch.int64)
 
 
-def test_empty_and_disabled_match() -> None:
-    c = RadixCache(None, None)
+def test_empty_match() -> None:
+    c = RadixCache()
     m = c.match_prefix([1, 2, 3])
     assert m.prefix_len == 0 and m.last_node is c.root and m.device_indices.dtype == torch.int64
     assert c.match_prefix([]).last_node is c.root
-    d = RadixCache(None, None, disable=True)
-    assert d.insert([1, 2], vals(1, 2)) == 0
-    assert d.match_prefix([1, 2]).prefix_len == 0 and d.total_size() == 0
 
 
 def test_insert_returns_already_present_len() -> None:
-    c = RadixCache(None, None)
+    c = RadixCache()
     assert c.insert([1, 2, 3], vals(10, 3)) == 0
     assert c.insert([1, 2, 3], vals(20, 3)) == 3
     assert c.insert([1, 2, 3, 4, 5], vals(30, 5)) == 3
@@ -35,7 +32,7 @@ def test_insert_returns_already_present_len() -> None:
 
 
 def test_match_splits_inside_node() -> None:
-    c = RadixCache(None, None)
+    c = RadixCache()
     c.insert([1, 2, 3, 4, 5], vals(100, 5))
     m = c.match_prefix([1, 2, 3, 9])
     assert m.device_indices.tolist() == [100, 101, 102]
@@ -51,14 +48,14 @@ def test_match_splits_inside_node() -> None:
 
 
 def test_lock_moves_sizes_and_protects() -> None:
-    c = RadixCache(None, None)
+    c = RadixCache()
     c.insert([1, 2, 3, 4], vals(0, 4))
     c.insert([1, 2, 7, 8, 9], vals(10, 5))  # tree: [1,2] -> {[3,4], [7,8,9]}
     m = c.match_prefix([1, 2, 3, 4])
     assert c.inc_lock_ref(m.last_node) == -4
     assert c.evictable_size() == 3 and c.protected_size() == 4
     assert c.inc_lock_ref(m.last_node) == 0  # second lock moves nothing
-    assert c.evict(100) == 3  # only the unlocked branch goes
+    assert len(c.evict(100)) == 3  # only the unlocked branch goes
     assert c.match_prefix([1, 2, 3, 4]).prefix_len == 4
     assert c.match_prefix([1, 2, 7]).prefix_len == 2
     assert c.dec_lock_ref(m.last_node) == 0
@@ -66,12 +63,12 @@ def test_lock_moves_sizes_and_protects() -> None:
     assert c.evictable_size() == 4 and c.protected_size() == 0
     with pytest.raises(RuntimeError):
         c.dec_lock_ref(m.last_node)
-    assert c.evict(1) == 2  # the leaf [3,4]; then its parent [1,2] is a leaf
-    assert c.evict(1) == 2 and c.total_size() == 0
+    assert len(c.evict(1)) == 2  # the leaf [3,4]; then its parent [1,2] is a leaf
+    assert len(c.evict(1)) == 2 and c.total_size() == 0
 
 
 def test_lock_on_split_node_keeps_lock_state() -> None:
-    c = RadixCache(None, None)
+    c = RadixCache()
     c.insert([1, 2, 3, 4], vals(0, 4))
     node = c.match_prefix([1, 2, 3, 4]).last_node
     c.inc_lock_ref(node)
@@ -82,7 +79,7 @@ def test_lock_on_split_node_keeps_lock_state() -> None:
 
 
 def _three_leaves(policy: str) -> RadixCache:
-    c = RadixCache(None, None, eviction_policy=policy)
+    c = RadixCache(eviction_policy=policy)
     c.insert([1, 1, 1], vals(0, 3))
     c.insert([2, 2, 2], vals(3, 3))
     c.insert([3, 3, 3], vals(6, 3))
@@ -92,10 +89,10 @@ def _three_leaves(policy: str) -> RadixCache:
 def test_evict_lru_order() -> None:
     c = _three_leaves("lru")
     c.match_prefix([1, 1, 1])  # now [2,2,2] is the least recently used
-    assert c.evict(1) == 3
+    assert len(c.evict(1)) == 3
     assert c.match_prefix([2, 2, 2]).prefix_len == 0
     assert c.match_prefix([1, 1, 1]).prefix_len == 3
-    assert c.evict(1) == 3  # next oldest: [3,3,3]
+    assert len(c.evict(1)) == 3  # next oldest: [3,3,3]
     assert c.match_prefix([3, 3, 3]).prefix_len == 0
 
 
@@ -120,7 +117,7 @@ def test_evict_lfu_vs_lru() -> None:
 
 def test_evict_parent_becomes_leaf_and_frees_slots() -> None:
     alloc = TokenToKVPoolAllocator(16)
-    c = RadixCache(None, alloc)
+    c = RadixCache()
     a = alloc.alloc(3)
     b = alloc.alloc(3)
     assert a is not None and b is not None
@@ -128,14 +125,16 @@ def test_evict_parent_becomes_leaf_and_frees_slots() -> None:
     assert c.insert([1, 2, 4], b) == 2
     alloc.free(b[:2])  # caller frees its duplicates
     assert alloc.available_size() == 16 - 4
-    assert c.evict(3) >= 3  # two leaves of 1, then the parent [1,2]
+    evicted = c.evict(3)  # the tree returns the slots; their owner frees them
+    alloc.free(evicted)
+    assert len(evicted) >= 3  # two leaves of 1, then the parent [1,2]
     assert c.total_size() == 0 and c.evictable_size() == 0
     assert alloc.available_size() == 16
-    assert c.evict(5) == 0
+    assert len(c.evict(5)) == 0
 
 
 def test_extra_key_isolation() -> None:
-    c = RadixCache(None, None)
+    c = RadixCache()
     c.insert([1, 2, 3], vals(0, 3), extra_key="a")
     assert c.match_prefix([1, 2, 3]).prefix_len == 0
     assert c.match_prefix([1, 2, 3], extra_key="b").prefix_len == 0
@@ -145,11 +144,11 @@ def test_extra_key_isolation() -> None:
     assert c.match_prefix([1, 2, 5], extra_key="a").device_indices.tolist() == [0, 1, 22]
     assert c.match_prefix([1, 2, 3]).device_indices.tolist() == [10, 11, 12]
     assert c.total_size() == 3 + 1 + 3
-    assert c.evict(100) == 7 and c.total_size() == 0
+    assert len(c.evict(100)) == 7 and c.total_size() == 0
 
 
 def test_page_size_4_aligned_keys() -> None:
-    c = RadixCache(None, None, page_size=4)
+    c = RadixCache(page_size=4)
     key = list(range(10))
     assert c.insert(key, vals(100, 10)) == 0
     assert c.total_size() == 8  # truncated to two pages
@@ -167,7 +166,7 @@ def test_page_size_4_aligned_keys() -> None:
 
 
 def test_reset_pretty_print_and_bad_policy(capsys: pytest.CaptureFixture[str]) -> None:
-    c = RadixCache(None, None)
+    c = RadixCache()
     c.insert([1, 2, 3], vals(0, 3))
     c.insert([1, 5], vals(3, 2), extra_key="ns")
     text = c.pretty_print()
@@ -177,4 +176,4 @@ def test_reset_pretty_print_and_bad_policy(capsys: pytest.CaptureFixture[str]) -
     c.reset()
     assert c.total_size() == 0 and c.match_prefix([1, 2, 3]).prefix_len == 0
     with pytest.raises(ValueError, match="unknown eviction policy"):
-        RadixCache(None, None, eviction_policy="nope")
+        RadixCache(eviction_policy="nope")

@@ -48,7 +48,7 @@ class TreeModel:
     def __init__(self, page_size: int, size: int, policy: str):
         self.ps = page_size
         self.alloc = TokenToKVPoolAllocator(size, page_size)
-        self.cache = RadixCache(None, self.alloc, page_size, eviction_policy=policy)
+        self.cache = RadixCache(page_size, eviction_policy=policy)
         self.slots_of: dict[Prefix, list[int]] = {}
         self.locks: list[tuple[str | None, list[int], Any]] = []
 
@@ -73,7 +73,9 @@ class TreeModel:
 
     def evict(self, n: int) -> None:
         before = self.free_slots()
-        freed = self.cache.evict(n)
+        evicted = self.cache.evict(n)  # the tree returns the slots; their owner frees them
+        self.alloc.free(evicted)
+        freed = len(evicted)
         gone = self.free_slots() - before
         removed = [k for k, slots in self.slots_of.items() if slots[0] in gone]
         assert all(set(self.slots_of[k]) <= gone for k in removed)
@@ -175,9 +177,9 @@ def test_request_lifecycle_integrity(
         if op == "admit" and env.pool.available_size() and room(len(a)):
             n_kv = min(b, len(a))
             req = env.admit(a, n_kv=max(n_kv, len(env.cache.match_prefix(a[:-1]).device_indices)))
-            chunked[req.rid] = len(a) - req.kv_allocated_len
+            chunked[req.rid] = len(a) - req.kv.allocated_len
             if chunked[req.rid]:
-                env.cache.cache_unfinished_req(req)
+                env.kv.cache_unfinished(req)
         elif op in ("decode", "chunk", "finish") and env.running:
             req = env.running[a % len(env.running)]
             left = chunked[req.rid]
@@ -187,15 +189,15 @@ def test_request_lifecycle_integrity(
                 n = min(b, left) if op == "chunk" else left
                 env.extend(req, n)
                 chunked[req.rid] = left - n
-                env.cache.cache_unfinished_req(req)
+                env.kv.cache_unfinished(req)
             elif not left and op == "decode" and room(1):
                 env.decode(req, b)
         elif op == "evict":
-            env.cache.evict(a)
+            env.kv.evict(a)
         env.check()
     for req in list(env.running):
         env.finish(req)
     env.check()
     assert env.cache.protected_size() == 0
-    env.cache.evict(10**6)
+    env.kv.evict(10**6)
     assert env.allocator.available_size() == env.allocator.total_size()
