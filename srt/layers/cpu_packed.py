@@ -46,9 +46,9 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-class PackedWeightMixin:
-    """For modules whose `forward` is `x @ weight.T + bias`: `pack_for_cpu()` adds a packed
-    copy that `linear()` then uses for CPU inputs of the weight's dtype."""
+class PackableLinear(nn.Module):
+    """Base of modules whose `forward` is `x @ weight.T + bias`: `pack_for_cpu()` adds a
+    packed copy that `linear()` then uses for CPU inputs of the weight's dtype."""
 
     weight: nn.Parameter
     bias: nn.Parameter | None
@@ -70,7 +70,7 @@ class PackedWeightMixin:
 def prepack_cpu_weights(model: nn.Module) -> int:
     """Pack every linear weight of a CPU model; returns how many were packed."""
     packed = sum(
-        1 for m in model.modules() if isinstance(m, PackedWeightMixin) and m.pack_for_cpu()
+        1 for m in model.modules() if isinstance(m, PackableLinear) and m.pack_for_cpu()
     )
     logger.info("CPU weights: %d matmul weights prepacked for oneDNN", packed)
     return packed

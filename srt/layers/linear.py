@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from srt.layers.cpu_packed import PackedWeightMixin
+from srt.layers.cpu_packed import PackableLinear
 from srt.layers.weight_utils import copy_into_shard, default_weight_loader, set_weight_loader
 
 
-class LinearBase(PackedWeightMixin, nn.Module):
+class LinearBase(PackableLinear):
     """y = x @ W.T + b with W [output_size, input_size] (a oneDNN-packed copy of W on CPU,
     once `pack_for_cpu` ran: see `srt/layers/cpu_packed.py`)."""
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from srt.layers.cpu_packed import PackedWeightMixin
+from srt.layers.cpu_packed import PackableLinear
 from srt.layers.weight_utils import default_weight_loader, set_weight_loader
 
 
@@ -27,7 +27,7 @@ class VocabEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}"
 
 
-class LMHead(PackedWeightMixin, nn.Module):
+class LMHead(PackableLinear):
     """The output projection [vocab, hidden]: `forward(hidden)` -> logits in the model dtype.
     `LogitsProcessor` picks the rows and applies it."""
 
