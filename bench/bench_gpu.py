@@ -212,7 +212,7 @@ def bench_model(name: str, path: str | None, fmt: str, args: argparse.Namespace)
     """Decode and W1 benchmarks of one model, CUDA graphs on then off."""
     from bench.bench_one_batch import run_one_batch
     from managers.inprocess import InProcessDriver
-    from managers.tp_worker import ModelWorker
+    from managers.model_worker import ModelWorker
 
     rows = []
     for graphs in (True, False):

@@ -77,11 +77,11 @@ def run_radixrt(args: argparse.Namespace, driver: InProcessDriver | None = None)
         print(json.dumps(time_split(profiler, elapsed)))
     n_out = sum(len(o["output_ids"]) for o in outs)
     n_in = sum(len(p) for p in prompts)
-    idle = driver.scheduler.idle_tracker
+    idle = driver.scheduler.output.idle_tracker
     return {
         "engine": "radixrt",
         "overlap": driver.scheduler.overlap,
-        "max_running_requests": driver.scheduler.max_running_requests,
+        "max_running_requests": driver.scheduler.kv.max_rows,
         "dtype": str(driver.worker.model_config.dtype).removeprefix("torch."),
         **throughput_fields(len(prompts), n_in, n_out, elapsed),
         "worker_idle_fraction": round(idle.idle_s / max(idle.idle_s + idle.busy_s, 1e-9), 4),

@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
+from managers.model_worker import ModelWorker
 from managers.req import Req
 from managers.schedule_batch import ScheduleBatch
-from managers.tp_worker import ModelWorker
 from mem_cache.chunk_cache import ChunkCache
-from mem_cache.integrity import check_memory_integrity
+from mem_cache.kv_manager import KVManager
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 
@@ -64,10 +64,9 @@ def run_one_batch(
     if output_len < 1:
         raise ValueError("output_len must be >= 1")
     cfg = worker.model_config
-    req_to_token_pool, allocator = worker.get_memory_pool()
-    page_size = allocator.page_size
+    rows, allocator = worker.get_memory_pool()
     # No prefix sharing: every request owns its KV, and a later batch cannot hit this one's.
-    tree_cache = ChunkCache(req_to_token_pool, allocator, page_size)
+    kv = KVManager(rows, allocator, ChunkCache(allocator.page_size))
     params = SamplingParams.from_dict(
         {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}
     )
@@ -78,34 +77,39 @@ def run_one_batch(
         for i, p in enumerate(prompts)
     ]
     for req in reqs:
-        req.init_next_round_input(tree_cache)
-    batch = ScheduleBatch(
-        reqs, req_to_token_pool, allocator, tree_cache, cfg.vocab_size, [], page_size
-    )
+        req.init_next_round_input(kv)
+    spans = [r.kv for r in reqs]
 
-    def step(prepare: Callable[[], None]) -> list[int]:
-        prepare()
-        return worker.forward_batch_generation(batch.model_worker_batch()).next_token_ids
+    def run(batch: ScheduleBatch) -> list[int]:
+        mwb = batch.model_worker_batch(cfg.vocab_size, [])
+        return worker.forward_batch_generation(mwb).next_token_ids
+
+    def prefill() -> list[int]:
+        loc = kv.allocate_extend(spans, [len(r.fill_ids) for r in reqs])
+        return run(ScheduleBatch.extend(reqs, loc))
+
+    def decode() -> list[int]:
+        return run(ScheduleBatch.decode(reqs, kv.allocate_decode(spans)))
 
     def append(tokens: list[int]) -> None:
         for req, tok in zip(reqs, tokens, strict=True):
             req.output_ids.append(tok)
 
     try:
-        tokens, prefill_latency = _timed(lambda: step(batch.prepare_for_extend))
+        tokens, prefill_latency = _timed(prefill)
         append(tokens)
         decode_latencies: list[float] = []
         prof = _profiler() if profile else contextlib.nullcontext()
         with prof:
             for _ in range(output_len - 1):
-                tokens, latency = _timed(lambda: step(batch.prepare_for_decode))
+                tokens, latency = _timed(decode)
                 append(tokens)
                 decode_latencies.append(latency)
     finally:
         for req in reqs:
-            if req.req_pool_idx is not None:
-                tree_cache.cache_finished_req(req)
-    check_memory_integrity(allocator, tree_cache, [])
+            if req.kv.row is not None:
+                kv.cache_finished(req)
+    kv.check_integrity([])
     if profile:
         sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         print(f"Decode profile, batch size {batch_size}:")

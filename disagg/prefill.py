@@ -12,23 +12,25 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from disagg.base import KVArgs, KVPoll, KVRegister, KVTransferDone
 from disagg.bootstrap import BootstrapServer
+from disagg.port import DisaggSide, SchedulerPort
 from disagg.transfer import create_transfer_backend
 
 if TYPE_CHECKING:
     from managers.req import Req
+    from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
 
-class PrefillDisagg:
-    def __init__(self, scheduler: Any, kv: KVArgs) -> None:
-        args = scheduler.server_args
-        self.scheduler = scheduler
+class PrefillDisagg(DisaggSide):
+    def __init__(self, args: ServerArgs, port: SchedulerPort, kv: KVArgs) -> None:
+        self.port = port
         self.timeout_s = args.disaggregation_timeout
         self.transfer = create_transfer_backend(args.disaggregation_transfer_backend, kv, args.host)
         self.server = BootstrapServer(args.host, args.disaggregation_bootstrap_port)
@@ -43,10 +45,9 @@ class PrefillDisagg:
         return bool(self.bootstrap_queue or self.inflight)
 
     def add(self, req: Req) -> None:
-        req.kv_poll = KVPoll.Bootstrapping
         self.bootstrap_queue.append((req, time.monotonic() + self.timeout_s))
 
-    def remove_if(self, pred: Any) -> list[Req]:
+    def remove_if(self, pred: Callable[[Req], bool]) -> list[Req]:
         gone = [r for r, _ in self.bootstrap_queue if pred(r)]
         self.bootstrap_queue = [(r, t) for r, t in self.bootstrap_queue if not pred(r)]
         return gone
@@ -71,15 +72,16 @@ class PrefillDisagg:
     def _admit_registered(self, now: float) -> None:
         keep = []
         for req, deadline in self.bootstrap_queue:
-            room = req.bootstrap[2]
+            assert req.disagg is not None
+            room = req.disagg.room
             entry = self.registrations.get(room)
             if entry is not None and len(entry[1].dst_slots) == len(req.origin_input_ids):
                 # Claimed: the registration now travels with the request, so the cleanup of
                 # unclaimed registrations below can never take it from under a prefill.
                 del self.registrations[room]
                 self.claimed[room] = entry[:2]
-                req.kv_poll = KVPoll.WaitingForInput
-                self.scheduler.waiting_queue.append(req)
+                req.disagg.poll = KVPoll.WaitingForInput
+                self.port.admit_waiting(req)
             elif entry is not None:
                 del self.registrations[room]
                 self._reply(entry[0], room, "decode allocated a different number of slots")
@@ -90,15 +92,18 @@ class PrefillDisagg:
                 keep.append((req, deadline))
         self.bootstrap_queue = keep
 
-    def on_prefilled(self, req: Req) -> None:
-        """The request's prompt KV and first token exist: start writing them to decode."""
-        identity, reg = self.claimed.pop(req.bootstrap[2])
-        row = req.req_pool_idx
-        n = len(req.origin_input_ids)
-        src = self.scheduler.req_to_token_pool.req_to_token[row, :n].tolist()
-        req.kv_poll = KVPoll.Transferring
+    def take_finished(self, req: Req) -> bool:
+        """A finished request whose prompt KV and first token exist: keep it until they are
+        written to decode."""
+        if not req.waits_for_kv_transfer():
+            return False
+        assert req.disagg is not None
+        identity, reg = self.claimed.pop(req.disagg.room)
+        src = self.port.kv_slots(req, len(req.origin_input_ids))
+        req.disagg.poll = KVPoll.Transferring
         future = self.executor.submit(self._write, reg, src)
         self.inflight.append((req, identity, reg, future))
+        return True
 
     def _write(self, reg: KVRegister, src: list[int]) -> list[bytes] | None:
         self.transfer.write(reg.peer, src, reg.dst_slots)
@@ -115,21 +120,23 @@ class PrefillDisagg:
             except Exception as e:  # noqa: BLE001 - reported to both sides, never raised
                 logger.error("KV transfer for room %d failed: %s", reg.room, e)
                 self._reply(identity, reg.room, f"KV transfer failed: {e}")
-                self.scheduler.tree_cache.cache_finished_req(req)
+                self.port.release(req, cache=True)
                 self._fail(req, f"KV transfer failed: {e}")
                 continue
             done = KVTransferDone(
                 reg.room, True, req.output_ids[0], req.cached_tokens, payload=payload
             )
             self.server.send(identity, done)
-            req.kv_poll = KVPoll.Success
-            self.scheduler.tree_cache.cache_finished_req(req)
-            self.scheduler.emit([req])
+            assert req.disagg is not None
+            req.disagg.poll = KVPoll.Success
+            self.port.release(req, cache=True)
+            self.port.finish(req)
         self.inflight = keep
 
     def _reply(self, identity: bytes, room: int, error: str) -> None:
         self.server.send(identity, KVTransferDone(room, False, error=error))
 
     def _fail(self, req: Req, message: str) -> None:
-        req.kv_poll = KVPoll.Failed
-        self.scheduler.fail_request(req, message, 500)
+        assert req.disagg is not None
+        req.disagg.poll = KVPoll.Failed
+        self.port.finish(req, message)

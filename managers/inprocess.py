@@ -16,6 +16,7 @@ from typing import Any
 from managers.io_struct import AbortReq, BatchTokenIDOut, FinishReason
 from managers.parallel_sampling import make_requests
 from managers.scheduler import Scheduler
+from managers.validation import check_sampling_params, parse_sampling_params
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 
@@ -35,7 +36,7 @@ def trim_stop_str(text: str, finish_reason: FinishReason | None, params: Samplin
 class InProcessDriver:
     def __init__(self, server_args: ServerArgs, worker: Any = None, tokenizer: Any = None) -> None:
         if worker is None:
-            from managers.tp_worker import ModelWorker
+            from managers.model_worker import ModelWorker
 
             worker = ModelWorker(server_args)
         if tokenizer is None and not server_args.skip_tokenizer_init:
@@ -85,10 +86,11 @@ class InProcessDriver:
         **fields: Any,
     ) -> list[str]:
         """Queue one prompt; returns the rids whose outputs the caller should read."""
-        if isinstance(params, dict) or params is None:
-            params = SamplingParams.from_dict(params or {})
-        params.normalize()
-        params.verify(self.scheduler.vocab_size)
+        vocab_size = self.scheduler.vocab_size
+        if isinstance(params, SamplingParams):
+            check_sampling_params(params, vocab_size)
+        else:
+            params = parse_sampling_params(params, vocab_size)
         if input_ids is None:
             if text is None or self.tokenizer is None:
                 raise ValueError("give input_ids, or text with a tokenizer")

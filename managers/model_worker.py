@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from managers.schedule_batch import ModelWorkerBatch
-from managers.scheduler_output import GenerationBatchResult
+from managers.schedule_batch import GenerationBatchResult, ModelWorkerBatch
 from srt.configs.model_config import ModelConfig
 from srt.model_executor.forward_batch import ForwardBatch
 from srt.model_executor.model_runner import ModelRunner

@@ -23,8 +23,7 @@ from typing import Any
 
 import torch
 
-from managers.schedule_batch import ModelWorkerBatch
-from managers.scheduler_output import GenerationBatchResult
+from managers.schedule_batch import GenerationBatchResult, ModelWorkerBatch
 
 # Placeholders name a ring of slots; a batch's slots are reused only many batches later.
 FUTURE_MAP_BATCHES = 8

@@ -1,70 +1,101 @@
-"""`Req`: one generation request inside the scheduler, and its finish reasons.
+"""`Req`: one generation request inside the scheduler, made of a few parts.
 
 Lifecycle (who moves a request where):
 
-    arrival ──▶ waiting_queue ──(PrefillAdder admits)──▶ prefill batch
-        ▲                │                                  │ chunk left: cache_unfinished_req,
-        │                │ aborted / impossible             │ stays the scheduler's chunked_req
-        │                ▼                                  ▼
-        │            finished ◀──(stop condition)── running batch (decode)
-        └──(retract: KV inserted into the tree, row freed)──┘
+    Intake.add ──▶ waiting ──(PrefillPlanner admits)──▶ prefill batch
+        ▲             │                                  │ chunk left: KVManager.cache_unfinished,
+        │             │ aborted / impossible             │ stays the scheduler's `chunked`
+        │             ▼                                  ▼
+        │         finished ◀──(stop condition)── running (decode)
+        └──(DecodePlanner retracts: KV cached in the tree, row freed)──┘
 
-KV ownership: positions [0, cache_protected_len) are tree-owned slots locked through
-`last_node`; positions [cache_protected_len, kv_allocated_len) are slots this request
-allocated itself. `kv_token_ids()` names the tokens those slots hold.
+Parts: `kv` (a `KVSpan`: its row and which positions the tree owns; only `KVManager` changes
+it), `logprobs` (a `LogprobState`, only when logprobs were asked for), `disagg` (a
+`DisaggState`, only for a request of a prefill/decode pair), and the sampling state
+(`sampling_params`, `sampling_seed`, `grammar`). The rest is the token history and where the
+request stands in the loop.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
-from managers.io_struct import DecodeOptions
+from disagg.base import KVPoll
+from managers.io_struct import (
+    DecodeOptions,
+    FinishReason,
+    LogprobDelta,
+    finish_length,
+    finish_matched,
+)
+from mem_cache.kv_manager import KVSpan
 
 if TYPE_CHECKING:
     from constrained.base_grammar_backend import BaseGrammarObject
-    from mem_cache.base_prefix_cache import BasePrefixCache
+    from mem_cache.kv_manager import KVManager
     from srt.sampling.sampling_params import SamplingParams
+
+TopLogprobs = list[tuple[float, int]]
 
 
 @dataclass(slots=True)
-class FinishReason:
-    """`type` is stop|length|abort, as in SGLang's meta_info.finish_reason."""
+class LogprobState:
+    """Logprobs of a request that asked for them: (logprob, token id) pairs, and how many of
+    each were already sent."""
 
-    type: str
-    matched: int | str | None = None
-    length: int | None = None
-    message: str | None = None
-    status_code: int | None = None
+    start_len: int  # first prompt position whose logprob is returned; -1 = none
+    top_n: int
+    input_done: bool = False
+    input_token: list[tuple[float | None, int]] = field(default_factory=list)
+    input_top: list[TopLogprobs | None] = field(default_factory=list)
+    output_token: list[tuple[float, int]] = field(default_factory=list)
+    output_top: list[TopLogprobs] = field(default_factory=list)
+    sent_input: int = 0
+    sent_output: int = 0
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"type": self.type}
-        if self.type == "stop":
-            out["matched"] = self.matched
-        elif self.type == "length":
-            out["length"] = self.length
-        else:
-            out["message"] = self.message
-            if self.status_code is not None:
-                out["status_code"] = self.status_code
-        return out
+    def add_input(
+        self,
+        values: list[float],
+        tops: list[TopLogprobs] | None,
+        prefix_len: int,
+        prompt: list[int],
+    ) -> None:
+        """Prompt logprobs computed by an extend that started at `prefix_len`."""
+        if prefix_len == 0 and self.start_len == 0:
+            self.input_token.append((None, prompt[0]))
+            self.input_top.append(None)
+        lo = max(prefix_len, self.start_len - 1)
+        targets = prompt[lo + 1 : lo + 1 + len(values)]
+        self.input_token.extend(zip(values, targets, strict=True))
+        if self.top_n:
+            self.input_top.extend(tops or [[] for _ in values])
+
+    def add_output(self, logprob: float, token: int, top: TopLogprobs | None) -> None:
+        self.output_token.append((logprob, token))
+        if self.top_n and top is not None:
+            self.output_top.append(top)
+
+    def take_delta(self) -> LogprobDelta:
+        """What was produced since the previous call."""
+        o, i = self.sent_output, self.sent_input
+        self.sent_output, self.sent_input = len(self.output_token), len(self.input_token)
+        return LogprobDelta(
+            self.output_token[o:], self.output_top[o:], self.input_token[i:], self.input_top[i:]
+        )
 
 
-def finish_matched(matched: int | str) -> FinishReason:
-    return FinishReason("stop", matched=matched)
+@dataclass(slots=True)
+class DisaggState:
+    """A request of a prefill/decode pair: where its peer is, and how far its KV got."""
 
+    bootstrap: tuple[str, int, int]  # (bootstrap_host, port, room)
+    poll: KVPoll = KVPoll.Bootstrapping
 
-def finish_length(length: int) -> FinishReason:
-    return FinishReason("length", length=length)
-
-
-def finish_abort(message: str, status_code: int | None = None) -> FinishReason:
-    return FinishReason("abort", message=message, status_code=status_code)
-
-
-_EMPTY = torch.empty(0, dtype=torch.int64)
+    @property
+    def room(self) -> int:
+        return self.bootstrap[2]
 
 
 class Req:
@@ -85,51 +116,34 @@ class Req:
     ) -> None:
         self.rid = rid
         self.origin_input_ids = origin_input_ids
+        self.output_ids: list[int] = []
+        self.stream = stream
+        self.extra_key = extra_key
+        # Sampling state; `grammar` is the request's matcher once its grammar has compiled.
         self.sampling_params = sampling_params
         self.sampling_seed = sampling_seed
         self.eos_token_ids = eos_token_ids
-        self.stream = stream
-        self.extra_key = extra_key
-        # Disaggregation: (bootstrap_host, port, room) and the KVPoll state of its transfer.
-        self.bootstrap = bootstrap
-        self.kv_poll: int | None = None
-        self.output_ids: list[int] = []
-        # Overlap loop: the future token id of a launched, not yet processed sample.
-        self.pending_token: int | None = None
-        # Constrained decoding: the request's matcher, set once its grammar has compiled.
         self.grammar: BaseGrammarObject | None = None
-        self._decode_options: DecodeOptions | None = None
-
-        # Tokens that will have KV after the next extend (prompt + output so far, or a chunk).
+        # Parts.
+        self.kv = KVSpan()
+        self.logprobs = (
+            LogprobState(logprob_start_len, top_logprobs_num, input_done=logprob_start_len < 0)
+            if return_logprob
+            else None
+        )
+        self.disagg = DisaggState(bootstrap) if bootstrap is not None else None
+        # The next extend: tokens up to `fill_ids` are computed, from the matched prefix on.
         self.fill_ids: list[int] = []
-        self.extend_input_len = 0
         self.is_chunked = False  # a chunk of the prompt is done, more chunks remain
-
-        # KV ownership (see module docstring).
-        self.req_pool_idx: int | None = None
-        self.prefix_indices: torch.Tensor = _EMPTY
-        self.last_node: Any = None
-        self.cache_protected_len = 0
-        self.kv_allocated_len = 0
-
-        self.finished_reason: FinishReason | None = None
-        self.to_abort: FinishReason | None = None
-        self.cached_tokens = 0
-        self.admitted = False
+        # Overlap loop: the future token id of a launched, not yet processed sample, and how
+        # often the request was retracted (a sample launched before a retraction is dropped).
+        self.pending_token: int | None = None
         self.retract_count = 0
-
-        # Logprobs (token logprob, token id) pairs, and how many of each were streamed.
-        self.return_logprob = return_logprob
-        self.logprob_start_len = logprob_start_len
-        self.top_logprobs_num = top_logprobs_num
-        self.input_logprobs_done = not return_logprob or logprob_start_len < 0
-        self.input_token_logprobs: list[tuple[float | None, int]] = []
-        self.input_top_logprobs: list[list[tuple[float, int]] | None] = []
-        self.output_token_logprobs: list[tuple[float, int]] = []
-        self.output_top_logprobs: list[list[tuple[float, int]]] = []
+        self.finished_reason: FinishReason | None = None
+        self.to_abort: FinishReason | None = None  # applied at the next stop check
+        self.cached_tokens: int | None = None  # prefix hit at first admission
         self.sent_output_len = 0
-        self.sent_output_logprob_len = 0
-        self.sent_input_logprob_len = 0
+        self._decode_options: DecodeOptions | None = None
 
     # ---- token views -------------------------------------------------------------
     def all_ids(self) -> list[int]:
@@ -139,10 +153,21 @@ class Req:
         return len(self.origin_input_ids) + len(self.output_ids)
 
     def kv_token_ids(self) -> list[int]:
-        return self.all_ids()[: self.kv_allocated_len]
+        """The tokens whose KV the request's allocated slots hold."""
+        return self.all_ids()[: self.kv.allocated_len]
+
+    def extend_input_len(self) -> int:
+        return len(self.fill_ids) - self.kv.prefix_len()
 
     def finished(self) -> bool:
         return self.finished_reason is not None
+
+    def needs_input_logprobs(self) -> bool:
+        return self.logprobs is not None and not self.logprobs.input_done
+
+    def waits_for_kv_transfer(self) -> bool:
+        """A prefill-side request whose first token exists but whose KV is not sent yet."""
+        return self.disagg is not None and self.disagg.poll == KVPoll.WaitingForInput
 
     def next_input_token(self) -> int:
         """The token the next decode feeds: a future placeholder while the overlap loop has
@@ -172,38 +197,35 @@ class Req:
         return self._decode_options
 
     # ---- scheduling ----------------------------------------------------------------
-    def init_next_round_input(self, tree_cache: BasePrefixCache) -> None:
+    def init_next_round_input(self, kv: KVManager) -> None:
         """Match the tree for the whole sequence so far; at least one token is computed."""
         self.fill_ids = self.all_ids()
         max_prefix = len(self.fill_ids) - 1
-        if not self.input_logprobs_done:
+        if self.needs_input_logprobs():
             # Prompt logprobs need logits from position logprob_start_len - 1 on.
-            max_prefix = min(max_prefix, max(self.logprob_start_len - 1, 0))
-        match = tree_cache.match_prefix(self.fill_ids[:max_prefix], extra_key=self.extra_key)
-        self.prefix_indices = match.device_indices
-        self.last_node = match.last_node
-        self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
+            assert self.logprobs is not None
+            max_prefix = min(max_prefix, max(self.logprobs.start_len - 1, 0))
+        self.kv.set_match(kv.match_prefix(self.fill_ids[:max_prefix], self.extra_key))
 
     def set_chunk(self, chunk_len: int) -> None:
         """Limit the next extend to `chunk_len` new tokens; the rest waits for later rounds."""
-        prefix = len(self.prefix_indices)
-        self.fill_ids = self.all_ids()[: prefix + chunk_len]
-        self.extend_input_len = chunk_len
+        self.fill_ids = self.all_ids()[: self.kv.prefix_len() + chunk_len]
         self.is_chunked = len(self.fill_ids) < self.seq_len()
 
     def reset_for_retract(self) -> None:
         self.pending_token = None  # that sample is dropped; it is recomputed on resume
         self.fill_ids = []
-        self.extend_input_len = 0
         self.is_chunked = False
         self.retract_count += 1
 
     # ---- stop conditions -----------------------------------------------------------
-    def check_finished(self, context_len: int, tail_text: Any = None) -> None:
+    def check_finished(
+        self, context_len: int, tail_text: Callable[[Req, int], str] | None = None
+    ) -> None:
         """Set `finished_reason` if a stop condition holds after the last appended token.
 
-        `tail_text(n)` decodes the last n output tokens; it is only called when the request
-        has stop strings.
+        `tail_text(req, n)` decodes the last n output tokens; it is only called when the
+        request has stop strings.
         """
         if self.finished_reason is not None:
             return

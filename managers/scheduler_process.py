@@ -20,13 +20,7 @@ from typing import Any
 import zmq
 
 from managers.io_struct import (
-    FlushCacheReq,
-    FlushCacheReqOutput,
-    GetInternalStateReq,
-    GetInternalStateReqOutput,
-    MemoryIntegrity,
     SchedulerReady,
-    SchedulerState,
     SchedulerStats,
 )
 from managers.scheduler import Scheduler
@@ -43,7 +37,7 @@ class SchedulerServer:
     """Owns the sockets and the loop around one `Scheduler`."""
 
     def __init__(self, server_args: ServerArgs, port_args: PortArgs) -> None:
-        from managers.tp_worker import ModelWorker
+        from managers.model_worker import ModelWorker
         from srt.model_loader.loader import get_tokenizer
 
         self.server_args = server_args
@@ -70,8 +64,8 @@ class SchedulerServer:
             model_path=s.worker.model_config.model_path,
             context_len=s.context_len,
             vocab_size=s.vocab_size,
-            max_total_tokens=s.max_total_tokens,
-            max_running_requests=s.max_running_requests,
+            max_total_tokens=s.kv.total_tokens,
+            max_running_requests=s.kv.max_rows,
             eos_token_ids=list(s.eos_token_ids),
         )
 
@@ -102,35 +96,9 @@ class SchedulerServer:
                 return msgs
 
     def handle(self, msg: Any) -> None:
-        if isinstance(msg, FlushCacheReq):
-            ok = self.scheduler.flush_cache()
-            text = "Cache flushed." if ok else "Cache not flushed: requests are running or waiting."
-            self.send_to_tokenizer.send_pyobj(FlushCacheReqOutput(ok, text))
-        elif isinstance(msg, GetInternalStateReq):
-            self.send_to_tokenizer.send_pyobj(GetInternalStateReqOutput(self.internal_state()))
-        else:
-            self.scheduler.handle(msg)
-
-    def internal_state(self) -> SchedulerState:
-        s = self.scheduler
-        if s.is_idle():
-            s.check_memory()  # cheap, and the freshest answer when the server is idle
-        return SchedulerState(
-            num_running_reqs=len(s.running_batch.reqs) + (s.chunked_req is not None),
-            num_queue_reqs=len(s.waiting_queue),
-            token_usage=s.token_usage(),
-            max_total_tokens=s.max_total_tokens,
-            max_running_requests=s.max_running_requests,
-            num_retracted_reqs=s.num_retracted_reqs,
-            num_aborted_reqs=s.num_aborted_reqs,
-            overlap_schedule=s.overlap,
-            worker_idle_s=s.idle_tracker.idle_s,
-            worker_busy_s=s.idle_tracker.busy_s,
-            pid=os.getpid(),
-            new_token_ratio=s.new_token_ratio,
-            forward_ct=s.forward_ct,
-            memory_integrity=MemoryIntegrity(**s.memory_check),
-        )
+        reply = self.scheduler.handle(msg)
+        if reply is not None:
+            self.send_to_tokenizer.send_pyobj(reply)
 
     def maybe_send_stats(self, force: bool) -> None:
         now = time.perf_counter()
@@ -140,23 +108,24 @@ class SchedulerServer:
         if (
             force
             and elapsed < STATS_INTERVAL_S
-            and self.last_stats_tokens == (self.scheduler.num_generated_tokens)
+            and self.last_stats_tokens == self.scheduler.output.num_generated_tokens
         ):
             return  # idle and nothing new since the last report
         s = self.scheduler
-        tokens = s.num_generated_tokens - self.last_stats_tokens
-        self.last_stats_time, self.last_stats_tokens = now, s.num_generated_tokens
+        out = s.output
+        tokens = out.num_generated_tokens - self.last_stats_tokens
+        self.last_stats_time, self.last_stats_tokens = now, out.num_generated_tokens
         self.send_to_tokenizer.send_pyobj(
             SchedulerStats(
-                num_running_reqs=len(s.running_batch.reqs) + (s.chunked_req is not None),
-                num_queue_reqs=len(s.waiting_queue),
-                token_usage=s.token_usage(),
-                cache_hit_rate=s.last_cache_hit_rate,
+                num_running_reqs=s.queues.num_running(),
+                num_queue_reqs=len(s.queues.waiting),
+                token_usage=s.kv.token_usage(),
+                cache_hit_rate=out.last_cache_hit_rate,
                 gen_throughput=tokens / elapsed if elapsed > 0 else 0.0,
-                num_retracted_reqs=s.num_retracted_reqs,
-                max_total_tokens=s.max_total_tokens,
-                worker_idle_s=s.idle_tracker.idle_s,
-                worker_busy_s=s.idle_tracker.busy_s,
+                num_retracted_reqs=s.decode.num_retracted_reqs,
+                max_total_tokens=s.kv.total_tokens,
+                worker_idle_s=out.idle_tracker.idle_s,
+                worker_busy_s=out.idle_tracker.busy_s,
             )
         )
 

@@ -44,7 +44,13 @@ from managers.io_struct import (
 from managers.metrics import ServerMetrics
 from managers.parallel_sampling import make_requests, prefill_rid
 from managers.req_state import ReqState
-from srt.sampling.sampling_params import InvalidSamplingParam, SamplingParams
+from managers.validation import (
+    check_logprob_args,
+    check_prompt,
+    fit_max_new_tokens,
+    parse_sampling_params,
+)
+from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 from srt.utils.process import PortArgs, zmq_socket
 
@@ -53,8 +59,6 @@ logger = logging.getLogger(__name__)
 # How often a waiting request checks whether its HTTP client went away.
 DISCONNECT_POLL_S = 1.0
 CONTROL_TIMEOUT_S = 30.0
-MAX_TOP_LOGPROBS = 20
-MAX_N = 64
 
 
 class TokenizerManager:
@@ -232,6 +236,7 @@ class TokenizerManager:
                 yield state.snapshot()
 
     def tokenize_and_validate(self, obj: GenerateReqInput) -> tuple[list[int], SamplingParams]:
+        """Token ids and checked sampling parameters (limits: `managers/validation.py`)."""
         if (obj.text is None) == (obj.input_ids is None):
             raise RequestError("Give exactly one of `text` and `input_ids`.", param="text")
         if obj.text is not None:
@@ -246,66 +251,12 @@ class TokenizerManager:
                 isinstance(t, int) and not isinstance(t, bool) for t in input_ids
             ):
                 raise RequestError("`input_ids` must be a list of integers.", param="input_ids")
-            if any(t < 0 or t >= self.vocab_size for t in input_ids):
-                raise RequestError(
-                    f"Input token ids must be in [0, {self.vocab_size}).", param="input_ids"
-                )
-        if not input_ids:
-            raise RequestError("The input is empty.", param="text")
-        params = self.parse_sampling_params(obj.sampling_params)
-        self.check_lengths(len(input_ids), params)
+        check_prompt(input_ids, self.context_len, self.vocab_size)
+        params = parse_sampling_params(obj.sampling_params, self.vocab_size)
+        fit_max_new_tokens(len(input_ids), params, self.context_len)
         if obj.return_logprob:
-            if not isinstance(obj.logprob_start_len, int):
-                raise RequestError("`logprob_start_len` must be an integer.", "logprob_start_len")
-            if not -1 <= obj.logprob_start_len < len(input_ids):
-                raise RequestError(
-                    f"`logprob_start_len` must be in [-1, {len(input_ids)}), got "
-                    f"{obj.logprob_start_len}.",
-                    param="logprob_start_len",
-                )
-            if not isinstance(obj.top_logprobs_num, int) or not (
-                0 <= obj.top_logprobs_num <= MAX_TOP_LOGPROBS
-            ):
-                raise RequestError(
-                    f"`top_logprobs_num` must be an integer in [0, {MAX_TOP_LOGPROBS}].",
-                    param="top_logprobs_num",
-                )
+            check_logprob_args(obj.logprob_start_len, obj.top_logprobs_num, len(input_ids))
         return list(input_ids), params
-
-    def parse_sampling_params(self, raw: Any) -> SamplingParams:
-        if raw is None:
-            raw = {}
-        if not isinstance(raw, dict):
-            raise RequestError("`sampling_params` must be an object.", param="sampling_params")
-        try:
-            params = SamplingParams.from_dict(raw)
-            params.check_types()
-            params.normalize()
-            params.verify(self.vocab_size)
-        except InvalidSamplingParam as e:
-            raise RequestError(str(e), param=e.param) from None
-        if params.n > MAX_N:
-            raise RequestError(f"`n` must be at most {MAX_N}, got {params.n}.", param="n")
-        return params
-
-    def check_lengths(self, prompt_len: int, params: SamplingParams) -> None:
-        if prompt_len >= self.context_len:
-            raise RequestError(
-                f"The input ({prompt_len} tokens) is longer than the model's context length "
-                f"({self.context_len} tokens).",
-                param="input_ids",
-            )
-        if params.max_new_tokens is None:
-            params.max_new_tokens = self.context_len - prompt_len
-        elif prompt_len + params.max_new_tokens > self.context_len:
-            raise RequestError(
-                f"Requested token count exceeds the model's maximum context length of "
-                f"{self.context_len} tokens. You requested a total of "
-                f"{prompt_len + params.max_new_tokens} tokens: {prompt_len} tokens from the "
-                f"input and {params.max_new_tokens} tokens for the completion. Reduce the "
-                "input or the requested completion length.",
-                param="max_new_tokens",
-            )
 
     # ---- control -------------------------------------------------------------------
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:

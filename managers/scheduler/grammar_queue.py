@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from constrained.base_grammar_backend import GrammarError
-from managers.req import Req, finish_abort
+from managers.io_struct import finish_abort
+from managers.req import Req
 
 # With nothing else to run, wait this long for a compile instead of spinning.
 IDLE_WAIT_S = 0.005

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from managers.req import Req
 from mem_cache.radix_cache import RadixCache
 
 if TYPE_CHECKING:
-    from mem_cache.base_prefix_cache import BasePrefixCache
+    from managers.req import Req
+    from mem_cache.kv_manager import KVManager
 
 LPM_FALLBACK_QUEUE_LEN = 128
 # A request whose cached prefix is at most this long is checked against the waiting queue...
@@ -28,15 +28,18 @@ IN_BATCH_PREFIX_CHECK_THRESHOLD = 32
 IN_BATCH_PREFIX_HOLD_THRESHOLD = 32
 # Decode growth reserved per running request is capped at this many tokens.
 CLIP_MAX_NEW_TOKENS = 4096
+SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 
 
 class SchedulePolicy:
-    def __init__(self, policy: str, tree_cache: BasePrefixCache, page_size: int = 1) -> None:
-        if policy not in ("lpm", "fcfs", "dfs-weight"):
-            raise ValueError(f"unknown schedule policy {policy!r}")
+    def __init__(self, policy: str, kv: KVManager) -> None:
+        if policy not in SCHEDULE_POLICIES:
+            raise ValueError(
+                f"unknown schedule policy {policy!r}; choose one of {SCHEDULE_POLICIES}"
+            )
         self.policy = policy
-        self.tree_cache = tree_cache
-        self.page_size = page_size
+        self.kv = kv
+        self.page_size = kv.page_size
         self.held_back: set[str] = set()
 
     def calc_priority(self, waiting_queue: list[Req]) -> None:
@@ -47,20 +50,20 @@ class SchedulePolicy:
             policy = "fcfs"
         if policy == "fcfs":
             for req in waiting_queue:
-                req.init_next_round_input(self.tree_cache)
+                req.init_next_round_input(self.kv)
             return
         self._match_and_find_held_back(waiting_queue)
         if policy == "lpm":
-            waiting_queue.sort(key=lambda r: (r.rid in self.held_back, -len(r.prefix_indices)))
+            waiting_queue.sort(key=lambda r: (r.rid in self.held_back, -r.kv.prefix_len()))
         else:
             waiting_queue[:] = self._dfs_weight_order(waiting_queue)
 
     def _match_and_find_held_back(self, waiting_queue: list[Req]) -> None:
         # A pool-less tree of the uncached prompts seen so far in this round.
-        in_batch = RadixCache(None, None, page_size=self.page_size)
+        in_batch = RadixCache(page_size=self.page_size)
         for req in waiting_queue:
-            req.init_next_round_input(self.tree_cache)
-            if len(req.prefix_indices) > IN_BATCH_PREFIX_CHECK_THRESHOLD:
+            req.init_next_round_input(self.kv)
+            if req.kv.prefix_len() > IN_BATCH_PREFIX_CHECK_THRESHOLD:
                 continue
             key = req.fill_ids
             shared = len(in_batch.match_prefix(key, extra_key=req.extra_key).device_indices)
@@ -74,15 +77,15 @@ class SchedulePolicy:
         by_node: dict[int, list[Req]] = defaultdict(list)
         nodes: dict[int, object] = {}
         for req in waiting_queue:
-            by_node[id(req.last_node)].append(req)
-            nodes[id(req.last_node)] = req.last_node
+            by_node[id(req.kv.last_node)].append(req)
+            nodes[id(req.kv.last_node)] = req.kv.last_node
         weight: dict[int, int] = defaultdict(int)
         for node_id, reqs in by_node.items():
             node = nodes[node_id]
             while node is not None:
                 weight[id(node)] += len(reqs)
                 node = node.parent
-        root = self.tree_cache.root_node if hasattr(self.tree_cache, "root_node") else None
+        root = self.kv.tree_root()
         if root is None:
             return waiting_queue
         order: list[Req] = []
@@ -112,7 +115,7 @@ class PrefillAdder:
 
     def __init__(
         self,
-        tree_cache: BasePrefixCache,
+        kv: KVManager,
         available_tokens: int,
         running_reqs: list[Req],
         new_token_ratio: float,
@@ -121,7 +124,7 @@ class PrefillAdder:
         max_new_reqs: int,
         page_size: int = 1,
     ) -> None:
-        self.tree_cache = tree_cache
+        self.kv = kv
         self.new_token_ratio = new_token_ratio
         self.page_size = page_size
         self.has_running = bool(running_reqs)
@@ -142,14 +145,10 @@ class PrefillAdder:
         return min(remaining, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
 
     def _lock(self, req: Req) -> None:
-        before = self.tree_cache.evictable_size()
-        self.tree_cache.inc_lock_ref(req.last_node)
-        self.rem_total_tokens -= before - self.tree_cache.evictable_size()
+        self.rem_total_tokens += self.kv.lock(req.kv)  # <= 0: the prefix leaves the budget
 
     def _unlock(self, req: Req) -> None:
-        before = self.tree_cache.evictable_size()
-        self.tree_cache.dec_lock_ref(req.last_node)
-        self.rem_total_tokens += self.tree_cache.evictable_size() - before
+        self.rem_total_tokens += self.kv.unlock(req.kv)
 
     def _check_budgets(self, req: Req, extend: int) -> AddResult | None:
         # With nothing else running, a request only needs room for its prompt: if it then
@@ -178,11 +177,11 @@ class PrefillAdder:
             self.rem_chunk_tokens -= extend_len
         self.rem_reqs -= 1
         self.log_input_tokens += extend_len
-        self.log_hit_tokens += len(req.prefix_indices)
+        self.log_hit_tokens += req.kv.prefix_len()
 
     def add_chunked_req(self, req: Req) -> None:
         """Continue a chunked prompt; its prefix is already locked."""
-        remaining = req.seq_len() - len(req.prefix_indices)
+        remaining = req.seq_len() - req.kv.prefix_len()
         chunk = (
             remaining if self.rem_chunk_tokens is None else min(remaining, self.rem_chunk_tokens)
         )
@@ -194,7 +193,7 @@ class PrefillAdder:
     def add_one_req(self, req: Req) -> AddResult:
         if self.rem_reqs <= 0:
             return AddResult.OTHER
-        extend = req.extend_input_len
+        extend = req.extend_input_len()
         # Lock first: the matched prefix stops being evictable, so it leaves the budget.
         self._lock(req)
         result = self._check_budgets(req, extend)

@@ -12,7 +12,7 @@ import pytest
 
 from bench.bench_one_batch import random_prompts, run_one_batch
 from managers.inprocess import InProcessDriver
-from managers.tp_worker import ModelWorker
+from managers.model_worker import ModelWorker
 from mem_cache.chunk_cache import ChunkCache
 from mem_cache.integrity import check_memory_integrity
 from srt.server_args import ServerArgs
@@ -64,7 +64,7 @@ def test_run_one_batch_matches_scheduler_greedy(llama_path: str) -> None:
         assert result["output_ids"] == [r["output_ids"] for r in ref]
         assert allocator.available_size() == allocator.total_size()
         assert req_to_token_pool.available_size() == req_to_token_pool.size
-        check_memory_integrity(allocator, ChunkCache(req_to_token_pool, allocator), [])
+        check_memory_integrity(allocator, ChunkCache())
 
 
 def test_cli_writes_json_lines(llama_path: str, tmp_path: Path) -> None:

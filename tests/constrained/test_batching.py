@@ -131,7 +131,7 @@ def test_retracted_constrained_requests_stay_valid(overlap: bool) -> None:
             }
         )
     outs = d.generate(prompts, params)
-    assert d.scheduler.num_retracted_reqs > 0
+    assert d.scheduler.decode.num_retracted_reqs > 0
     for i, out in enumerate(outs):
         assert_valid_json(d, out, schemas[i % 2][1])
     d.scheduler.check_memory()

@@ -74,7 +74,7 @@ def test_two_constraints_on_one_request_are_refused(default_driver: InProcessDri
     with pytest.raises(ValueError, match="only one of json_schema, regex, ebnf"):
         default_driver.generate(["hi"], {"json_schema": json.dumps(GOOD_SCHEMA), "regex": "a+"})
     assert len(default_driver.outputs) == n_outputs, "a refused request was registered"
-    assert not sched.grammar_queue and not sched.waiting_queue
+    assert not sched.intake.grammar_queue and not sched.queues.waiting
     # The driver keeps working.
     [out] = default_driver.generate(
         [chat(default_driver, "Give me a JSON object naming a city.")],

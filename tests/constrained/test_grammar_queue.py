@@ -6,8 +6,8 @@ import time
 from concurrent.futures import Future
 
 from constrained.base_grammar_backend import GrammarError
-from managers.grammar_queue import GrammarQueue
 from managers.req import Req
+from managers.scheduler.grammar_queue import GrammarQueue
 from srt.sampling.sampling_params import SamplingParams
 
 

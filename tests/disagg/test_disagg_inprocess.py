@@ -84,7 +84,7 @@ def test_disaggregated_equals_aggregated(reference, backend: str, overlap: bool)
     assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
     for d in (prefill, decode):
         d.scheduler.check_memory()
-        assert d.scheduler.token_usage() == 0
+        assert d.scheduler.kv.token_usage() == 0
     # The prefill side keeps the prompts in its own radix cache: a repeat hits it.
     again = run_pair(prefill, decode, port, TEXTS[:1], rooms={0: 9999})
     assert again[0]["output_ids"] == reference[0]
@@ -101,7 +101,7 @@ def test_missing_prefill_times_out_and_frees(reference) -> None:
         reason = o["meta_info"]["finish_reason"]
         assert reason["type"] == "abort" and "timed out" in reason["message"]
     decode.scheduler.check_memory()
-    assert decode.scheduler.token_usage() == 0
+    assert decode.scheduler.kv.token_usage() == 0
     assert decode.generate(TEXTS[:1], PARAMS)[0]["output_ids"] == reference[0]
 
 
@@ -123,7 +123,7 @@ def test_abort_while_waiting_for_kv_frees_slots() -> None:
     decode.run_until_idle()
     assert decode.result(rid)["meta_info"]["finish_reason"]["type"] == "abort"
     decode.scheduler.check_memory()
-    assert decode.scheduler.allocator.available_size() == decode.scheduler.max_total_tokens
+    assert decode.scheduler.kv.allocator.available_size() == decode.scheduler.kv.total_tokens
 
 
 def test_kvpoll_states_and_slot_runs() -> None:

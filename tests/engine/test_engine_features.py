@@ -49,7 +49,7 @@ def assert_clean(driver: InProcessDriver) -> None:
     sched = driver.scheduler
     assert sched.is_idle()
     sched.check_memory()
-    assert sched.token_usage() == 0
+    assert sched.kv.token_usage() == 0
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -95,7 +95,7 @@ def test_retraction_gives_same_outputs(llama_path: str, caplog) -> None:
     tight = driver_for(llama_path, max_total_tokens=400)
     with caplog.at_level(logging.WARNING):
         outs = tight.generate(ps, params)
-    assert tight.scheduler.num_retracted_reqs > 0
+    assert tight.scheduler.decode.num_retracted_reqs > 0
     assert "KV cache pool is full. Retract requests." in caplog.text
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in roomy]
     assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)

@@ -62,7 +62,7 @@ def run_w2_small(overlap: bool, concurrency: int = 6) -> list[list[int]]:
             outs[live.pop(rid)] = d.result(rid)["output_ids"]
     d.run_until_idle()
     d.scheduler.check_memory()
-    assert d.scheduler.tree_cache.evictable_size() > 0
+    assert d.scheduler.kv.tree.evictable_size() > 0
     return [outs[i] for i in range(len(prompts))]
 
 

@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from managers.schedule_batch import ModelWorkerBatch
-from managers.scheduler_output import GenerationBatchResult
+from managers.schedule_batch import GenerationBatchResult, ModelWorkerBatch
 from mem_cache.allocator import TokenToKVPoolAllocator
 from mem_cache.memory_pool import ReqToTokenPool
 

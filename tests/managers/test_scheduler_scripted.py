@@ -14,7 +14,7 @@ import pytest
 from managers.inprocess import InProcessDriver
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
-from tests.managers.scripted_worker import ScriptedWorker, scripted_output
+from tests.managers.scripted_worker import ScriptedModelConfig, ScriptedWorker, scripted_output
 
 
 @pytest.fixture(autouse=True, params=["overlap", "normal"])
@@ -47,8 +47,8 @@ def assert_idle_and_clean(driver: InProcessDriver) -> None:
     sched = driver.scheduler
     assert sched.is_idle()
     sched.check_memory()
-    assert sched.tree_cache.protected_size() == 0
-    assert sched.token_usage() == 0
+    assert sched.kv.tree.protected_size() == 0
+    assert sched.kv.token_usage() == 0
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -120,7 +120,7 @@ def test_retraction_completes_every_request(page_size: int, caplog) -> None:
     driver = make_driver(max_total_tokens=320, page_size=page_size)
     with caplog.at_level(logging.WARNING):
         outs = driver.generate(ps, {"max_new_tokens": 40})
-    assert driver.scheduler.num_retracted_reqs > 0
+    assert driver.scheduler.decode.num_retracted_reqs > 0
     assert "KV cache pool is full. Retract requests. #retracted_reqs:" in caplog.text
     for p, o in zip(ps, outs, strict=True):
         assert o["meta_info"]["finish_reason"]["type"] == "length"
@@ -182,8 +182,8 @@ def test_stop_conditions() -> None:
 
 
 def test_context_length_stops_generation() -> None:
-    driver = make_driver(context_length=None)
-    driver.scheduler.context_len = 40
+    worker = ScriptedWorker(model_config=ScriptedModelConfig(context_len=40))
+    driver = InProcessDriver(ServerArgs(**LOOP_ARGS), worker=worker, tokenizer=None)
     p = prompts(1, 30, 30, seed=11)[0]
     out = driver.generate([p], {"max_new_tokens": 100})[0]
     assert len(p) + len(out["output_ids"]) == 40
@@ -210,17 +210,17 @@ def test_disable_radix_cache() -> None:
     for p, o in zip(ps + ps[:1], outs, strict=True):
         assert o["output_ids"] == scripted_output(p, 10)
         assert o["meta_info"]["cached_tokens"] == 0
-    assert driver.scheduler.allocator.available_size() == 4096
+    assert driver.scheduler.kv.allocator.available_size() == 4096
 
 
 def test_flush_cache_returns_every_slot() -> None:
     driver = make_driver()
     p = prompts(1, 50, 50)[0]
     driver.generate([p], {"max_new_tokens": 8})
-    assert driver.scheduler.tree_cache.evictable_size() > 0
+    assert driver.scheduler.kv.tree.evictable_size() > 0
     assert driver.scheduler.flush_cache()
-    assert driver.scheduler.tree_cache.evictable_size() == 0
-    assert driver.scheduler.allocator.available_size() == 4096
+    assert driver.scheduler.kv.tree.evictable_size() == 0
+    assert driver.scheduler.kv.allocator.available_size() == 4096
     again = driver.generate([p], {"max_new_tokens": 8})[0]
     assert again["meta_info"]["cached_tokens"] == 0
     assert_idle_and_clean(driver)
@@ -259,5 +259,5 @@ def test_abort_reaches_a_request_that_just_prefilled() -> None:
     out = driver.result(rid)
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert len(out["output_ids"]) < 50
-    assert driver.scheduler.num_aborted_reqs == 1
+    assert driver.scheduler.intake.num_aborted_reqs == 1
     assert_idle_and_clean(driver)

@@ -75,7 +75,7 @@ def test_prepack_counts_linears_and_the_lm_head() -> None:
 
 @pytest.mark.parametrize("disable", [False, True])
 def test_model_runner_prepacks_unless_disabled(tmp_path, disable: bool) -> None:
-    from managers.tp_worker import ModelWorker
+    from managers.model_worker import ModelWorker
     from srt.server_args import ServerArgs
     from tests.engine.tiny_models import save_tiny_model
 

@@ -1,0 +1,6 @@
+"""The scheduler: a loop (`Scheduler`, loop.py) over named parts: `Intake`, `PrefillPlanner`,
+`DecodePlanner` and `Output`, sharing `Queues` and the `KVManager`."""
+
+from managers.scheduler.loop import Scheduler
+
+__all__ = ["Scheduler"]

@@ -1,0 +1,55 @@
+"""`Port`: the scheduler's side of the interface to disaggregation (`disagg/port.py`).
+
+Everything a prefill or decode side may ask of the scheduler goes through these methods, so
+the disaggregation code never touches the queues or the KV pools.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from managers.req import Req
+    from managers.scheduler.output import Output
+    from managers.scheduler.queues import Queues
+    from mem_cache.kv_manager import KVManager
+
+
+class Port:
+    def __init__(self, queues: Queues, kv: KVManager, output: Output) -> None:
+        self.queues = queues
+        self.kv = kv
+        self.output = output
+
+    def preallocate(self, req: Req) -> list[int] | None:
+        # Leave room for the running requests' next decode step.
+        reserve = self.kv.decode_tokens_needed(r.kv for r in self.queues.running)
+        return self.kv.preallocate(req.kv, len(req.origin_input_ids), reserve)
+
+    def kv_slots(self, req: Req, n: int) -> list[int]:
+        return self.kv.slots(req.kv, n)
+
+    def admit_waiting(self, req: Req) -> None:
+        self.queues.waiting.append(req)
+
+    def admit_running(self, req: Req, first_token: int, cached_tokens: int) -> None:
+        req.cached_tokens = cached_tokens
+        req.output_ids.append(first_token)
+        req.check_finished(self.output.context_len, self.output.tail_text)
+        if req.finished():
+            self.kv.cache_finished(req)
+        else:
+            self.queues.running.append(req)
+        self.output.emit([req])
+
+    def release(self, req: Req, cache: bool) -> None:
+        if cache:
+            self.kv.cache_finished(req)
+        else:
+            self.kv.release_uncached(req.kv)
+
+    def finish(self, req: Req, error: str | None = None) -> None:
+        if error is None:
+            self.output.emit([req])
+        else:
+            self.output.fail(req, error, 500)

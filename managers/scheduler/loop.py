@@ -1,0 +1,297 @@
+"""`Scheduler`: one iteration of the event loop, over four named parts.
+
+    intake   (intake.py)   new requests, validation, aborts, grammar and disaggregation queues
+    prefill  (prefill.py)  the next prefill batch: policy order + PrefillAdder budgets
+    decode   (decode.py)   the next decode batch: retraction + the new-token ratio
+    output   (output.py)   a forward's result applied to its requests, emitted, logged
+
+They share `Queues` (where each request is) and `KVManager` (who owns each KV slot). A step:
+poll the waiting intake queues, build the next batch (prefill first, else decode), run it,
+process its result. `--disable-overlap-schedule` selects `step_normal`; by default
+`step_overlap` launches batch N+1 before processing batch N's result:
+
+    build N+1 ─ launch N+1 ─ wait for N, process N ─ build N+2 ─ launch N+2 ─ ...
+                    └─────── forward N+1 runs on the worker thread meanwhile ───────┘
+
+Consequences handled here and in `Output.process`:
+- Batch N+1 is built before N's tokens are known: its decode inputs are future placeholders
+  (`Req.pending_token`), which the worker thread resolves; sampling indexes its seeded draws
+  by KV length, not by `len(output_ids)`.
+- A request found finished while processing N is already in N+1: that extra sample is
+  dropped (`req.finished()`), and the slot it used is freed with the rest of its KV.
+- A request retracted while building N+1 was in forward N: its sample from N is dropped
+  (`retract_count` differs from launch time) and recomputed when it resumes.
+- A forward in flight may read the `req_to_token` row of a request that just finished or was
+  retracted, so freed rows are held until that forward is known to be done.
+- A batch whose requests need their latest token on the host first (penalties count output
+  tokens, grammars mask by them) processes the previous result before it is built.
+Both loops produce the same tokens.
+
+The worker is anything with `model_config`, `get_memory_pool()` and
+`forward_batch_generation(ModelWorkerBatch)`: the real `ModelWorker`, or a scripted test double.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from torch.profiler import record_function
+
+from constrained import create_grammar_backend
+from disagg.port import create_disagg
+from managers.io_struct import (
+    AbortReq,
+    BatchTokenIDOut,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GetInternalStateReq,
+    GetInternalStateReqOutput,
+    MemoryIntegrity,
+    SchedulerState,
+    TokenizedGenerateReqInput,
+)
+from managers.overlap_worker import OverlapWorker
+from managers.schedule_batch import BatchLaunch, ScheduleBatch
+from managers.scheduler.decode import DecodePlanner
+from managers.scheduler.disagg_port import Port
+from managers.scheduler.intake import Intake
+from managers.scheduler.output import Output
+from managers.scheduler.prefill import PrefillPlanner
+from managers.scheduler.queues import Queues
+from mem_cache.integrity import MemoryLeakError
+from mem_cache.kv_manager import KVManager
+from mem_cache.registry import PREFIX_CACHES
+from srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        worker: Any,
+        output_sink: Callable[[BatchTokenIDOut], None],
+        tokenizer: Any = None,
+    ) -> None:
+        self.server_args = server_args
+        self.worker = worker
+        cfg = worker.model_config
+        self.vocab_size: int = cfg.vocab_size
+        self.eos_token_ids: list[int] = list(cfg.eos_token_ids)
+        self.context_len: int = cfg.context_len
+        rows, allocator = worker.get_memory_pool()
+        self.kv = KVManager(rows, allocator, _prefix_cache(server_args))
+        self.queues = Queues()
+        self.grammar_backend = create_grammar_backend(
+            server_args.grammar_backend, tokenizer, self.vocab_size, self.eos_token_ids
+        )
+        self.output = Output(
+            self.queues,
+            self.kv,
+            output_sink,
+            tokenizer,
+            self.context_len,
+            server_args.decode_log_interval,
+        )
+        self.decode = DecodePlanner(
+            self.queues, self.kv, self.output, server_args.schedule_conservativeness
+        )
+        self.prefill = PrefillPlanner(self.queues, self.kv, self.decode, self.output, server_args)
+        self.intake = Intake(
+            self.queues, self.kv, self.output, server_args, cfg, self.grammar_backend
+        )
+        self.disagg = create_disagg(server_args, Port(self.queues, self.kv, self.output), worker)
+        self.intake.disagg = self.disagg
+        self.output.take_finished = self.disagg.take_finished
+        # The overlap loop: the launched batch whose result is not processed yet.
+        self.overlap = not server_args.disable_overlap_schedule
+        self.pending: BatchLaunch | None = None
+        self.pending_rows: list[int] = []  # rows to release once `pending`'s forward is done
+        self.launched_last_step = False
+        if self.overlap:
+            self.forward_worker = OverlapWorker(worker, self.kv.max_rows)
+            self.kv.hold_row_frees()
+        self.was_idle = True
+        self.raise_on_leak = True
+        self.memory_check = MemoryIntegrity()
+
+    # ---- messages ------------------------------------------------------------------
+    def handle(self, msg: Any) -> Any:
+        """Apply one message; return the reply a control message asks for (else None)."""
+        if isinstance(msg, TokenizedGenerateReqInput):
+            self.intake.add(msg)
+        elif isinstance(msg, AbortReq):
+            self.intake.abort(msg)
+        elif isinstance(msg, FlushCacheReq):
+            ok = self.flush_cache()
+            text = "Cache flushed." if ok else "Cache not flushed: requests are running or waiting."
+            return FlushCacheReqOutput(ok, text)
+        elif isinstance(msg, GetInternalStateReq):
+            return GetInternalStateReqOutput(self.internal_state())
+        else:
+            raise TypeError(f"unknown message {type(msg).__name__}")
+        return None
+
+    def flush_cache(self) -> bool:
+        q = self.queues
+        if q.waiting or q.running or q.chunked is not None:
+            logger.warning("Cache not flushed: there are running or waiting requests.")
+            return False
+        self.kv.flush()  # idle: every slot is free or in the tree
+        self.decode.ratio.reset()
+        logger.info("Cache flushed.")
+        return True
+
+    # ---- one iteration -------------------------------------------------------------
+    def is_idle(self) -> bool:
+        # A prefill batch that just ran is merged into the running batch only at the next
+        # step, so until then `last_batch` still holds live requests.
+        return not self.queues.holds_requests() and self.pending is None and not self.intake
+
+    def step(self) -> bool:
+        """One iteration of the configured loop; return whether anything ran."""
+        return self.step_overlap() if self.overlap else self.step_normal()
+
+    def step_normal(self) -> bool:
+        """Build, run, process, in sequence."""
+        with record_function("scheduler"):
+            batch = self.next_batch()
+            self.queues.last_batch = batch
+            if batch is None:
+                self.output.idle_tracker.pause()
+                self._on_maybe_idle()
+                return False
+            self.was_idle = False
+            worker_batch = self._worker_batch(batch)
+        start = time.perf_counter()
+        result = self.worker.forward_batch_generation(worker_batch)
+        self.output.idle_tracker.forward(start, time.perf_counter())
+        self.output.forward_ct += 1
+        with record_function("scheduler"):
+            self.output.process(batch.launch_record(), result)
+        return True
+
+    def step_overlap(self) -> bool:
+        """Build and launch batch N+1, then process batch N while N+1 runs (module doc)."""
+        if self.pending is not None and any(
+            r.needs_sync() for r in self.pending.reqs if not r.finished()
+        ):
+            self._finish_pending()  # building needs their latest tokens on the host
+            self.kv.release_rows(self.kv.take_held_rows())
+        launched: BatchLaunch | None = None
+        with record_function("scheduler"):
+            batch = self.next_batch()
+            self.queues.last_batch = batch
+            if batch is not None:
+                self.was_idle = False
+                placeholders = self.forward_worker.launch(self._worker_batch(batch))
+                launched = batch.launch_record(placeholders)
+                launched.continuous = self.launched_last_step
+                self.output.forward_ct += 1
+                held = self.kv.take_held_rows()
+                if self.pending is None:
+                    self.kv.release_rows(held)  # nothing else in flight
+                else:
+                    self.pending_rows += held  # freed while `pending` was in flight
+        ran = batch is not None or self.pending is not None
+        if self.pending is not None:
+            self._finish_pending()
+        if launched is None:
+            self.kv.release_rows(self.kv.take_held_rows())
+            self.output.idle_tracker.pause()
+        self.pending = launched
+        self.launched_last_step = launched is not None
+        if not ran:
+            self._on_maybe_idle()
+        return ran
+
+    def _finish_pending(self) -> None:
+        """Wait for the pending forward, then process its result."""
+        assert self.pending is not None
+        launch, self.pending = self.pending, None
+        done = self.forward_worker.wait_result()
+        self.kv.release_rows(self.pending_rows)
+        self.pending_rows = []
+        self.output.idle_tracker.record(done.wait_s, done.forward_s, launch.continuous)
+        with record_function("scheduler"):
+            self.output.process(launch, done.result)
+
+    def next_batch(self) -> ScheduleBatch | None:
+        """Poll the intake queues; merge the last prefill into the running requests; then a
+        new prefill batch if one can be built, else a decode step."""
+        q = self.queues
+        self.disagg.poll()
+        nothing_else = not q.waiting and not q.running and q.last_batch is None
+        self.intake.poll_grammars(block=nothing_else)
+        last = q.last_batch
+        if last is not None and last.forward_mode.is_extend():
+            keep = last.unfinished()
+            # A MIXED batch already holds every running request.
+            q.running = keep if last.forward_mode.is_mixed() else q.running + keep
+        q.last_batch = None
+        batch = self.prefill.build()
+        return batch if batch is not None else self.decode.build()
+
+    def _worker_batch(self, batch: ScheduleBatch) -> Any:
+        return batch.model_worker_batch(self.vocab_size, self.eos_token_ids, self.grammar_backend)
+
+    def _on_maybe_idle(self) -> None:
+        if not self.was_idle and self.is_idle():
+            self.was_idle = True
+            self.check_memory()
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
+        for _ in range(max_steps):
+            if not self.step() and self.is_idle():
+                return
+        raise RuntimeError(f"scheduler not idle after {max_steps} steps")
+
+    # ---- state -----------------------------------------------------------------------
+    def check_memory(self) -> None:
+        """Prove no KV slot is leaked or double-owned; record the verdict for server info.
+
+        Raises `MemoryLeakError` unless `raise_on_leak` is off (the server process logs the
+        error and reports it through `/get_server_info` instead of dying)."""
+        try:
+            self.kv.check_integrity(r.kv for r in self.queues.running)
+        except MemoryLeakError as e:
+            self.memory_check = MemoryIntegrity(ok=False, error=str(e), time=time.time())
+            logger.error("Memory integrity check failed: %s", e)
+            if self.raise_on_leak:
+                raise
+        else:
+            self.memory_check = MemoryIntegrity(ok=True, error=None, time=time.time())
+
+    def internal_state(self) -> SchedulerState:
+        if self.is_idle():
+            self.check_memory()  # cheap, and the freshest answer when the server is idle
+        idle = self.output.idle_tracker
+        return SchedulerState(
+            num_running_reqs=self.queues.num_running(),
+            num_queue_reqs=len(self.queues.waiting),
+            token_usage=self.kv.token_usage(),
+            max_total_tokens=self.kv.total_tokens,
+            max_running_requests=self.kv.max_rows,
+            num_retracted_reqs=self.decode.num_retracted_reqs,
+            num_aborted_reqs=self.intake.num_aborted_reqs,
+            overlap_schedule=self.overlap,
+            worker_idle_s=idle.idle_s,
+            worker_busy_s=idle.busy_s,
+            pid=os.getpid(),
+            new_token_ratio=self.decode.ratio.value,
+            forward_ct=self.output.forward_ct,
+            memory_integrity=self.memory_check,
+        )
+
+
+def _prefix_cache(server_args: ServerArgs) -> Any:
+    if server_args.disable_radix_cache:
+        return PREFIX_CACHES.create("chunk", server_args.page_size)
+    return PREFIX_CACHES.create(
+        "radix", server_args.page_size, eviction_policy=server_args.radix_eviction_policy
+    )

@@ -1,0 +1,104 @@
+"""`PrefillPlanner`: the next prefill batch from the policy-ordered waiting queue.
+
+The policy (policy.py) matches every waiting request against the tree and orders the queue;
+`PrefillAdder` admits requests under the total-token, prefill-token and chunk budgets, the
+total-token budget reserving what running requests may still grow by (`NewTokenRatio`). The
+chunked request, if any, continues first. With `--enable-mixed-chunk` the running decodes
+ride along with a chunk (MIXED).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from managers.schedule_batch import ScheduleBatch
+from managers.scheduler.policy import AddResult, PrefillAdder, SchedulePolicy
+
+if TYPE_CHECKING:
+    from managers.scheduler.decode import DecodePlanner
+    from managers.scheduler.output import Output
+    from managers.scheduler.queues import Queues
+    from mem_cache.kv_manager import KVManager
+    from srt.server_args import ServerArgs
+
+
+class PrefillPlanner:
+    def __init__(
+        self,
+        queues: Queues,
+        kv: KVManager,
+        decode: DecodePlanner,
+        output: Output,
+        server_args: ServerArgs,
+    ) -> None:
+        self.queues = queues
+        self.kv = kv
+        self.decode = decode
+        self.output = output
+        self.policy = SchedulePolicy(server_args.schedule_policy, kv)
+        self.max_prefill_tokens = server_args.max_prefill_tokens
+        self.chunk_size = server_args.chunk_size
+        self.mixed_chunk = server_args.enable_mixed_chunk
+
+    def build(self) -> ScheduleBatch | None:
+        q = self.queues
+        if not q.waiting and q.chunked is None:
+            return None
+        max_new_reqs = min(self.kv.max_rows - len(q.running), self.kv.free_rows())
+        if q.chunked is not None:
+            max_new_reqs += 1  # the chunked request already holds a row
+        if max_new_reqs <= 0:
+            return None
+        if q.chunked is not None:
+            # Its previous chunk (maybe still in flight) goes into the tree; the next chunk
+            # continues from there.
+            self.kv.cache_unfinished(q.chunked)
+        adder = self._admit(max_new_reqs)
+        q.chunked = adder.new_chunked_req
+        if not adder.can_run_list:
+            return None
+        taken = {id(r) for r in adder.can_run_list}
+        q.waiting = [r for r in q.waiting if id(r) not in taken]
+        reqs = adder.can_run_list
+        loc = self.kv.allocate_extend([r.kv for r in reqs], [len(r.fill_ids) for r in reqs])
+        batch = ScheduleBatch.extend(reqs, loc)
+        for req, prefix_len in zip(reqs, batch.prefix_lens, strict=True):
+            if req.cached_tokens is None:
+                req.cached_tokens = prefix_len  # first admission: what the cache saved
+        if self.mixed_chunk and q.running and q.chunked is not None:
+            decodes = self.decode.build(decay=False)
+            if decodes is not None:
+                batch.mix(decodes)
+                q.running = []
+        # Put the prompts in the tree at once (their KV is computed by this batch, before any
+        # later forward reads it), so requests held back this round hit it in the next one,
+        # even when the overlap loop builds that round before this one's result is back.
+        for req in batch.reqs:
+            if not req.is_chunked:
+                self.kv.cache_unfinished(req)
+        self.output.log_prefill_stats(
+            len(adder.can_run_list), adder.log_input_tokens, adder.log_hit_tokens
+        )
+        return batch
+
+    def _admit(self, max_new_reqs: int) -> PrefillAdder:
+        q = self.queues
+        self.policy.calc_priority(q.waiting)
+        adder = PrefillAdder(
+            self.kv,
+            self.kv.available_tokens(),
+            q.running,
+            self.decode.ratio.value,
+            self.max_prefill_tokens,
+            self.chunk_size,
+            max_new_reqs,
+            self.kv.page_size,
+        )
+        if q.chunked is not None:
+            adder.add_chunked_req(q.chunked)
+        for req in q.waiting:
+            if req.rid in self.policy.held_back and (adder.can_run_list or q.running):
+                continue
+            if adder.add_one_req(req) != AddResult.CONTINUE:
+                break
+        return adder
