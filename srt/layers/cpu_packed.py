@@ -69,8 +69,6 @@ class PackableLinear(nn.Module):
 
 def prepack_cpu_weights(model: nn.Module) -> int:
     """Pack every linear weight of a CPU model; returns how many were packed."""
-    packed = sum(
-        1 for m in model.modules() if isinstance(m, PackableLinear) and m.pack_for_cpu()
-    )
+    packed = sum(1 for m in model.modules() if isinstance(m, PackableLinear) and m.pack_for_cpu())
     logger.info("CPU weights: %d matmul weights prepacked for oneDNN", packed)
     return packed
