@@ -39,6 +39,7 @@ class Intake:
         queues: Queues,
         kv: KVManager,
         output: Output,
+        disagg: DisaggSide,
         server_args: ServerArgs,
         model_config: Any,
         grammar_backend: BaseGrammarBackend | None,
@@ -53,7 +54,7 @@ class Intake:
         self.grammar_backend = grammar_backend
         self.grammar_queue = GrammarQueue(server_args.grammar_compile_timeout)
         self.seed_rng = random.Random(server_args.random_seed)
-        self.disagg: DisaggSide | None = None  # set by the scheduler (it needs the port)
+        self.disagg = disagg
         self.num_aborted_reqs = 0  # cumulative, reported in the server info
 
     def __bool__(self) -> bool:
@@ -85,7 +86,6 @@ class Intake:
             if self.disaggregation_mode == "prefill":
                 # The prefill side produces only the first token; decode produces the rest.
                 req.sampling_params = dataclasses.replace(params, max_new_tokens=1)
-            assert self.disagg is not None
             self.disagg.add(req)
         elif key is None:
             self.queues.waiting.append(req)
@@ -128,7 +128,6 @@ class Intake:
         def hit(r: Req) -> bool:
             return msg.abort_all or r.rid == msg.rid
 
-        assert self.disagg is not None
         for req in self.disagg.remove_if(hit) + self.grammar_queue.remove_if(hit):
             self._abort_queued(req)
         q = self.queues

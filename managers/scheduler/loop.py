@@ -102,12 +102,11 @@ class Scheduler:
             self.queues, self.kv, self.output, server_args.schedule_conservativeness
         )
         self.prefill = PrefillPlanner(self.queues, self.kv, self.decode, self.output, server_args)
-        self.intake = Intake(
-            self.queues, self.kv, self.output, server_args, cfg, self.grammar_backend
-        )
         self.disagg = create_disagg(server_args, Port(self.queues, self.kv, self.output), worker)
-        self.intake.disagg = self.disagg
         self.output.take_finished = self.disagg.take_finished
+        self.intake = Intake(
+            self.queues, self.kv, self.output, self.disagg, server_args, cfg, self.grammar_backend
+        )
         # The overlap loop: the launched batch whose result is not processed yet.
         self.overlap = not server_args.disable_overlap_schedule
         self.pending: BatchLaunch | None = None
