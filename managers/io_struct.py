@@ -6,8 +6,9 @@ here is plain data (lists, ints, strings) so it pickles cheaply across a ZMQ soc
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass, field, fields
+from operator import attrgetter
+from typing import Any, Literal, TypeVar
 
 from srt.sampling.sampling_params import SamplingParams
 
@@ -63,8 +64,25 @@ class FlushCacheReq:
 
 # ---- outputs (scheduler -> detokenizer -> tokenizer manager) ------------------------
 FinishType = Literal["stop", "length", "abort"]
+T = TypeVar("T")
 
 
+def _pickle_as_tuple(cls: type[T]) -> type[T]:
+    """Pickle a slotted dataclass as (class, field values). The default reduce of a slots
+    class builds a state dict per object, which made a batch of outputs almost 3x slower to
+    pickle; these records cross two sockets every scheduler step."""
+    names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+    assert len(names) > 1, "attrgetter of one name returns a bare value, not a tuple"
+    values = attrgetter(*names)
+
+    def __reduce__(self: T) -> tuple[type[T], tuple[Any, ...]]:
+        return cls, values(self)
+
+    cls.__reduce__ = __reduce__  # type: ignore[method-assign, assignment]
+    return cls
+
+
+@_pickle_as_tuple
 @dataclass(frozen=True, slots=True)
 class FinishReason:
     """Why a request finished. `to_json()` gives SGLang's `meta_info.finish_reason`, which
@@ -105,6 +123,7 @@ def finish_abort(message: str, status_code: int | None = None) -> FinishReason:
     return FinishReason("abort", message=message, status_code=status_code)
 
 
+@_pickle_as_tuple
 @dataclass(frozen=True, slots=True)
 class DecodeOptions:
     skip_special_tokens: bool = True
@@ -113,6 +132,7 @@ class DecodeOptions:
     no_stop_trim: bool = False
 
 
+@_pickle_as_tuple
 @dataclass(slots=True)
 class LogprobDelta:
     """Logprobs produced for one request since its previous message: (logprob, token id)
@@ -124,6 +144,7 @@ class LogprobDelta:
     input_top_logprobs: list[list[tuple[float, int]] | None]
 
 
+@_pickle_as_tuple
 @dataclass(slots=True)
 class ReqOutput:
     """One request's news in one scheduler step. Consumers accumulate `new_token_ids`;
@@ -150,6 +171,7 @@ class BatchTokenIDOut:
     outputs: list[ReqOutput]
 
 
+@_pickle_as_tuple
 @dataclass(slots=True)
 class ReqStrOutput:
     """A `ReqOutput` plus the text released since the request's previous message."""
