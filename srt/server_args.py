@@ -64,7 +64,23 @@ class ServerArgs:
     host: str = _opt("127.0.0.1", "HTTP host to bind")
     port: int = _opt(30000, "HTTP port")
     api_key: str | None = _opt(
-        None, "require `Authorization: Bearer <key>` on every route but /health"
+        None,
+        "require `Authorization: Bearer <key>` on every route but /health (visible in `ps`: "
+        "prefer --api-key-file or the RADIXRT_API_KEY environment variable)",
+    )
+    api_key_file: str | None = _opt(None, "read the API key from this file (first line)")
+    # Limits (one client must not stall, starve or confuse the others)
+    max_request_bytes: int = _opt(
+        8 * 2**20, "largest HTTP request body in bytes; larger ones get a 413 before parsing"
+    )
+    max_batch_size: int = _opt(
+        4096, "most sequences one request may create (prompts x n), on every route"
+    )
+    grammar_cache_size: int = _opt(
+        64, "compiled grammars kept in the scheduler (least recently used evicted)"
+    )
+    shutdown_grace_period: float = _opt(
+        5.0, "seconds SIGTERM lets running requests finish before they are failed"
     )
     # Memory
     mem_fraction_static: float | None = _opt(
