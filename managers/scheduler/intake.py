@@ -114,12 +114,16 @@ class Intake:
             return "Constrained decoding needs a tokenizer and a grammar backend."
         return None
 
-    def poll_grammars(self, block: bool) -> None:
-        """Move requests whose grammar compiled to the waiting queue; fail the invalid ones.
-        `block`: nothing else can run, so wait briefly for a compile instead of spinning."""
+    def poll(self) -> None:
+        """Once per step: let the disaggregation side move its requests on, move requests
+        whose grammar compiled to the waiting queue, and fail the invalid ones."""
+        self.disagg.poll()
         if not self.grammar_queue:
             return
         assert self.grammar_backend is not None
+        q = self.queues
+        # Nothing else can run: wait briefly for a compile instead of spinning.
+        block = not q.waiting and not q.running and q.last_batch is None
         ready, failed = self.grammar_queue.pop_done(self.grammar_backend.new_matcher, block)
         self.queues.waiting.extend(ready)
         self.output.emit(failed)

@@ -224,9 +224,7 @@ class Scheduler:
         """Poll the intake queues; merge the last prefill into the running requests; then a
         new prefill batch if one can be built, else a decode step."""
         q = self.queues
-        self.disagg.poll()
-        nothing_else = not q.waiting and not q.running and q.last_batch is None
-        self.intake.poll_grammars(block=nothing_else)
+        self.intake.poll()
         last = q.last_batch
         if last is not None and last.forward_mode.is_extend():
             keep = last.unfinished()
