@@ -3,6 +3,12 @@ params, merged output streams, usage accounting and the SSE response.
 
 Every generator from `generate_request` is closed on every path (`aclosing`): closing it is
 how a finished-early or disconnected request gets aborted in the scheduler.
+
+Aborts, as SGLang's OpenAI layer reports them: an abort that is neither the client's fault
+nor a server failure (an operator's `/abort_request`, a request the KV pool cannot hold to
+its end) is a normal choice with the text so far and `finish_reason: "abort"`; an abort
+whose finish reason carries a status code (a refusal, 4xx, or a server failure, 5xx) is an
+error response, or an error event once a stream has started, as on `/generate`.
 """
 
 from __future__ import annotations
@@ -34,7 +40,6 @@ from srt.entrypoints.openai.protocol import (
 logger = logging.getLogger(__name__)
 
 SSE_DONE = b"data: [DONE]\n\n"
-ABORT_STATUS = 500  # an abort whose finish reason carries no status code
 
 
 class TokenizerManagerLike(Protocol):
@@ -112,14 +117,15 @@ def sampling_params(req: SamplingRequest, max_new_tokens: int | None) -> dict[st
 
 
 def finish_reason(out: dict[str, Any]) -> tuple[str | None, int | str | None]:
-    """(OpenAI finish_reason, matched stop) of one output; raises on an abort."""
+    """(OpenAI finish_reason, matched stop) of one output; raises on an abort that carries a
+    status code (refused or failed), while a plain abort is the finish reason "abort"."""
     reason = out["meta_info"].get("finish_reason")
     if reason is None:
         return None, None
     kind = reason.get("type")
-    if kind == "abort":
+    if kind == "abort" and reason.get("status_code"):
         message = reason.get("message") or "The request was aborted"
-        raise RequestError(message, None, reason.get("status_code") or ABORT_STATUS)
+        raise RequestError(message, None, reason["status_code"])
     if kind == "stop":
         return "stop", reason.get("matched")
     return str(kind), None
