@@ -1,6 +1,11 @@
 """Request validation, in one place: the tokenizer manager (HTTP and `Engine`), the
 `InProcessDriver` and the scheduler all check prompts and sampling parameters here, so a
-limit cannot differ between entry points. Failures raise `RequestError` (a 400)."""
+limit cannot differ between entry points. Failures raise `RequestError` (a 400).
+
+The sampling limits themselves (`MAX_TEMPERATURE`, `MAX_N`, ...) live beside the fields
+they bound, in `srt/sampling/sampling_params.py`; the OpenAI request models
+(`srt/entrypoints/openai/protocol.py`) declare the same constants, so they refuse a value
+before tokenizing exactly when this module would refuse it afterwards."""
 
 from __future__ import annotations
 
@@ -10,7 +15,6 @@ from managers.errors import RequestError
 from srt.sampling.sampling_params import InvalidSamplingParam, SamplingParams
 
 MAX_TOP_LOGPROBS = 20
-MAX_N = 64
 
 
 def check_prompt(input_ids: list[int], context_len: int, vocab_size: int) -> None:
@@ -30,12 +34,11 @@ def check_prompt(input_ids: list[int], context_len: int, vocab_size: int) -> Non
 def check_sampling_params(params: SamplingParams, vocab_size: int) -> SamplingParams:
     """Canonicalise and verify `params` in place; return them."""
     try:
+        params.check_types()  # before normalize(), which assumes the types
         params.normalize()
         params.verify(vocab_size)
     except InvalidSamplingParam as e:
         raise RequestError(str(e), param=e.param) from None
-    if params.n > MAX_N:
-        raise RequestError(f"`n` must be at most {MAX_N}, got {params.n}.", param="n")
     return params
 
 
@@ -45,12 +48,7 @@ def parse_sampling_params(raw: Any, vocab_size: int) -> SamplingParams:
         raw = {}
     if not isinstance(raw, dict):
         raise RequestError("`sampling_params` must be an object.", param="sampling_params")
-    try:
-        params = SamplingParams.from_dict(raw)
-        params.check_types()
-    except InvalidSamplingParam as e:
-        raise RequestError(str(e), param=e.param) from None
-    return check_sampling_params(params, vocab_size)
+    return check_sampling_params(SamplingParams.from_dict(raw), vocab_size)
 
 
 def fit_max_new_tokens(prompt_len: int, params: SamplingParams, context_len: int) -> None:

@@ -16,6 +16,14 @@ from typing import Any
 # Below this temperature a request is greedy (argmax), exactly as if top_k were 1.
 SAMPLING_EPS = 1e-6
 
+# The limits every entry point applies (/generate, the OpenAI routes, `Engine`): `verify`
+# checks them and the OpenAI request models declare the same bounds, so a value is accepted
+# or refused alike everywhere.
+MAX_TEMPERATURE = 2.0
+MAX_PENALTY = 2.0  # |frequency_penalty|, |presence_penalty|; repetition_penalty in (0, 2]
+MAX_N = 64
+MAX_STOP_SEQUENCES = 16
+
 
 @dataclass
 class SamplingParams:
@@ -93,20 +101,24 @@ class SamplingParams:
     def verify(self, vocab_size: int | None = None) -> None:
         """Raise `InvalidSamplingParam` (a ValueError) naming the first invalid field."""
         self.check_types()
-        if self.temperature < 0.0:
-            _bad("temperature", f"must be non-negative, got {self.temperature}")
+        check_stop(self.stop)
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            _bad("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             _bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             _bad("top_k", f"must be -1 (disabled) or at least 1, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             _bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            _bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            _bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            _bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                _bad(name, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+        if not 0.0 < self.repetition_penalty <= MAX_PENALTY:
+            _bad(
+                "repetition_penalty",
+                f"must be in (0, {MAX_PENALTY:g}], got {self.repetition_penalty}",
+            )
         if self.max_new_tokens is not None and self.max_new_tokens < 0:
             _bad("max_new_tokens", f"must be non-negative, got {self.max_new_tokens}")
         if self.min_new_tokens < 0:
@@ -116,8 +128,8 @@ class SamplingParams:
                 "min_new_tokens",
                 f"must be <= max_new_tokens ({self.max_new_tokens}), got {self.min_new_tokens}",
             )
-        if self.n < 1:
-            _bad("n", f"must be at least 1, got {self.n}")
+        if not 1 <= self.n <= MAX_N:
+            _bad("n", f"must be in [1, {MAX_N}], got {self.n}")
         if self.stop_token_ids is not None and vocab_size is not None:
             bad_ids = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad_ids:
@@ -127,6 +139,18 @@ class SamplingParams:
         ]
         if len(grammars) > 1:
             _bad(grammars[1], f"only one of json_schema, regex, ebnf may be set, got {grammars}")
+
+
+def check_stop(stop: object) -> None:
+    """Stop strings: at most `MAX_STOP_SEQUENCES`, none empty (an empty string matches at
+    once, so the request would end after its first token)."""
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)):
+        return  # None, or a wrong type `check_types` reports
+    if len(stops) > MAX_STOP_SEQUENCES:
+        _bad("stop", f"must be at most {MAX_STOP_SEQUENCES} strings, got {len(stops)}")
+    if any(s == "" for s in stops):
+        _bad("stop", "must not contain an empty string (it would match at once)")
 
 
 class InvalidSamplingParam(ValueError):

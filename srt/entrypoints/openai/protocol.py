@@ -1,7 +1,10 @@
 """OpenAI request models (pydantic, validated) and response shapes (dataclasses for orjson).
 
 Unknown request fields are ignored, as OpenAI clients send fields we do not implement.
-Range checks live here so a bad value is a 400 naming its field before any tokenization.
+Known fields are strict, as on `/generate`: no string -> number / bool coercion, and an int
+field takes no float (not even 2.0). Range checks live here so a bad value is a 400 naming
+its field before any tokenization; the bounds are the constants `SamplingParams.verify` and
+`managers/validation.py` enforce, so both paths accept and refuse the same values.
 """
 
 from __future__ import annotations
@@ -11,13 +14,20 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-MAX_N = 16
-MAX_STOP_SEQUENCES = 16
-MAX_TOP_LOGPROBS = 20
+from managers.validation import MAX_TOP_LOGPROBS
+from srt.sampling.sampling_params import (
+    MAX_N,
+    MAX_PENALTY,
+    MAX_STOP_SEQUENCES,
+    MAX_TEMPERATURE,
+    check_stop,
+)
 
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Unknown fields ignored; known fields strictly typed."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Lenient):
@@ -46,11 +56,11 @@ class SamplingRequest(_Lenient):
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=0)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = None
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     stream: bool = False
@@ -60,7 +70,7 @@ class SamplingRequest(_Lenient):
     # SGLang extras, passed through under their native names.
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=MAX_PENALTY)
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -72,10 +82,12 @@ class SamplingRequest(_Lenient):
     @classmethod
     def _stop_shape(cls, value: Any) -> Any:
         is_list = isinstance(value, list) and all(isinstance(s, str) for s in value)
-        is_list = is_list and len(value) <= MAX_STOP_SEQUENCES
-        if value is None or isinstance(value, str) or is_list:
-            return value
-        raise ValueError(f"stop must be a string or a list of at most {MAX_STOP_SEQUENCES} strings")
+        if value is not None and not isinstance(value, str) and not is_list:
+            raise ValueError(
+                f"stop must be a string or a list of at most {MAX_STOP_SEQUENCES} strings"
+            )
+        check_stop(value)  # the same count and emptiness rules as /generate
+        return value
 
     @property
     def include_usage(self) -> bool:
