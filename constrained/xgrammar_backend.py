@@ -62,10 +62,19 @@ class XGrammarBackend(BaseGrammarBackend):
         xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size, indices=rows)
 
 
+# xgrammar's log prefix, `[12:00:00] /project/cpp/file.cc:123: `, which may appear once per
+# nested error; and any other source path with a line number.
+_LOG_PREFIX = re.compile(r"\[\d{2}:\d{2}:\d{2}\] \S+:\d+: ")
+_SOURCE_PATH = re.compile(r"\S*/\S+\.(?:cc|cpp|h|hpp):\d+:? ?")
+_CHECK_FAILED = re.compile(r"Check failed: \(.*?\) is false: ")
+# The end of a JSON-schema error quotes the whole schema back: the client has it already.
+_ECHOED_SPEC = re.compile(r"\s*\.?\s*The JSON string is:.*", re.DOTALL)
+
+
 def _compiler_message(e: RuntimeError) -> str:
-    """Drop xgrammar's `[time] file.cc:line: ` prefix, keep the compiler's words."""
-    text = str(e).strip()
-    head, sep, rest = text.partition(": ")
-    if sep and ".cc:" in head:
-        text = rest
-    return re.sub(r"^Check failed: \(.*?\) is false: ", "", text)
+    """The compiler's words, without xgrammar's log prefixes, C++ source locations, assertion
+    text or an echo of the schema."""
+    text = _ECHOED_SPEC.sub("", str(e).strip())
+    text = _LOG_PREFIX.sub("", text)
+    text = _CHECK_FAILED.sub("", text)
+    return _SOURCE_PATH.sub("", text).strip()

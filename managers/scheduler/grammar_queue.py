@@ -5,6 +5,7 @@ running meanwhile."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -17,6 +18,9 @@ from managers.req import Req
 
 # With nothing else to run, wait this long for a compile instead of spinning.
 IDLE_WAIT_S = 0.005
+# A compiler's message goes back to the client: short, and without the server's file paths.
+MAX_MESSAGE_CHARS = 512
+_FILE_PATH = re.compile(r"(?<![\w:/])(?:/[\w.+-]+){2,}\.\w+(?::\d+)?")
 
 
 @dataclass(slots=True)
@@ -62,10 +66,11 @@ class GrammarQueue:
                     e.req.grammar = new_matcher(e.future.result())
                     ready.append(e.req)
                 except GrammarError as err:
-                    e.req.finished_reason = finish_abort(f"Invalid grammar: {err}", 400)
+                    e.req.finished_reason = finish_abort(_message("Invalid grammar", err), 400)
                     failed.append(e.req)
                 except Exception as err:  # noqa: BLE001 - one bad grammar must not stop the server
-                    e.req.finished_reason = finish_abort(f"Grammar compilation failed: {err}", 400)
+                    message = _message("Grammar compilation failed", err)
+                    e.req.finished_reason = finish_abort(message, 400)
                     failed.append(e.req)
             elif now > e.deadline:
                 e.req.finished_reason = finish_abort(
@@ -76,3 +81,10 @@ class GrammarQueue:
                 keep.append(e)
         self.entries = keep
         return ready, failed
+
+
+def _message(what: str, err: BaseException) -> str:
+    text = _FILE_PATH.sub("<path>", str(err) or type(err).__name__)
+    if len(text) > MAX_MESSAGE_CHARS:
+        text = text[:MAX_MESSAGE_CHARS] + " ..."
+    return f"{what}: {text}"

@@ -3,6 +3,10 @@
 `install_error_handlers(app)` maps `RequestError`, validation errors, malformed JSON, unknown
 routes / methods and unexpected exceptions to that shape, so native and OpenAI routes answer
 alike. Streaming routes that fail after their first chunk send `sse_error_event(...)` instead.
+
+Every message is capped at `MAX_ERROR_MESSAGE_CHARS` here, at the edge: a message may quote
+what the client sent (a model name, a grammar compiler's view of a schema), and an error
+must not echo a large body back.
 """
 
 from __future__ import annotations
@@ -24,6 +28,24 @@ logger = logging.getLogger(__name__)
 # Locations FastAPI prefixes to a field path; the field name comes after them.
 _REQUEST_PARTS = ("body", "query", "path", "header", "cookie")
 
+MAX_ERROR_MESSAGE_CHARS = 1024
+_MAX_PARAM_CHARS = 128
+
+
+def capped(text: str, limit: int = MAX_ERROR_MESSAGE_CHARS) -> str:
+    """`text`, cut to `limit` characters with a note saying how long it was."""
+    if len(text) <= limit:
+        return text
+    note = f" ... [{len(text)} characters, cut]"
+    return text[: max(0, limit - len(note))] + note
+
+
+def _capped_error(err: RequestError) -> RequestError:
+    param = None if err.param is None else capped(err.param, _MAX_PARAM_CHARS)
+    if len(err.message) <= MAX_ERROR_MESSAGE_CHARS and param == err.param:
+        return err
+    return RequestError(capped(err.message), param, err.status_code)
+
 
 def json_response(content: Any, status_code: int = 200, headers: Any = None) -> Response:
     return Response(
@@ -32,7 +54,7 @@ def json_response(content: Any, status_code: int = 200, headers: Any = None) -> 
 
 
 def request_error_response(err: RequestError, headers: Any = None) -> Response:
-    return json_response(err.to_json(), err.status_code, headers)
+    return json_response(_capped_error(err).to_json(), err.status_code, headers)
 
 
 def error_response(message: str, status_code: int = 400, param: str | None = None) -> Response:
@@ -41,7 +63,8 @@ def error_response(message: str, status_code: int = 400, param: str | None = Non
 
 def sse_error_event(message: str, status_code: int = 500, param: str | None = None) -> bytes:
     """One server-sent event carrying the error, for failures after a stream has started."""
-    return b"data: " + orjson.dumps(RequestError(message, param, status_code).to_json()) + b"\n\n"
+    err = _capped_error(RequestError(message, param, status_code))
+    return b"data: " + orjson.dumps(err.to_json()) + b"\n\n"
 
 
 def request_error_from_validation(

@@ -80,7 +80,12 @@ def apply_response_format(fmt: ResponseFormat | None, params: dict[str, Any]) ->
                 "response_format.json_schema.schema must be a JSON schema object",
                 "response_format",
             )
-        params["json_schema"] = json.dumps(schema)
+        try:
+            params["json_schema"] = json.dumps(schema)
+        except RecursionError:
+            raise RequestError(
+                "response_format.json_schema.schema is nested too deeply", "response_format"
+            ) from None
         return
     raise RequestError(
         f"response_format type {fmt.type!r} is not supported; use text, json_object or json_schema",
