@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from constrained.base_grammar_backend import DEFAULT_CACHE_SIZE, BaseGrammarBackend, GrammarCache
 from srt.utils.registry import Registry
-
-if TYPE_CHECKING:
-    from constrained.base_grammar_backend import BaseGrammarBackend
 
 
 def _no_grammar_backend(*args: Any) -> None:
@@ -22,9 +20,17 @@ GRAMMAR_BACKENDS.register("none", _no_grammar_backend)
 
 
 def create_grammar_backend(
-    name: str, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]
+    name: str,
+    tokenizer: Any,
+    vocab_size: int,
+    eos_token_ids: list[int],
+    cache_size: int = DEFAULT_CACHE_SIZE,
 ) -> BaseGrammarBackend | None:
+    """The backend `name`, keeping at most `cache_size` compiled grammars."""
     # Without a tokenizer (--skip-tokenizer-init) there is no vocabulary to compile against.
     if tokenizer is None:
         return None
-    return GRAMMAR_BACKENDS.create(name, tokenizer, vocab_size, eos_token_ids)
+    backend = GRAMMAR_BACKENDS.create(name, tokenizer, vocab_size, eos_token_ids)
+    if backend is not None:  # the constructors take what the compiler needs; the cache is ours
+        backend.cache = GrammarCache(cache_size)
+    return backend

@@ -11,12 +11,18 @@ Lifecycle of a constrained request in the scheduler:
     grammar terminates, the request finishes.
 
 Compiles are cached by (kind, spec), so concurrent requests with the same schema share one.
+The cache is an LRU of `--grammar-cache-size` futures: a compiled grammar is the matcher's
+automaton plus a token-mask cache over the vocabulary (from tens of kilobytes to megabytes,
+growing with the vocabulary and the schema), so an unbounded cache lets clients with unique schemas exhaust the scheduler's
+memory. Evicting only drops the cache's reference: a request in the grammar queue holds its
+future, and a matcher holds its compiled grammar, so neither notices.
 """
 
 from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -25,6 +31,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 KINDS = ("json_schema", "regex", "ebnf")
+DEFAULT_CACHE_SIZE = 64
 
 
 class GrammarKey(NamedTuple):
@@ -52,16 +59,37 @@ class BaseGrammarObject(ABC):
         """The grammar is complete and its stop token was accepted."""
 
 
+class GrammarCache(OrderedDict[GrammarKey, "Future[Any]"]):
+    """The `capacity` most recently used compile futures, by key (least recent first)."""
+
+    def __init__(self, capacity: int = DEFAULT_CACHE_SIZE) -> None:
+        super().__init__()
+        self.capacity = max(0, capacity)
+
+    def hit(self, key: GrammarKey) -> Future[Any] | None:
+        future = self.get(key)
+        if future is not None:
+            self.move_to_end(key)
+        return future
+
+    def add(self, key: GrammarKey, future: Future[Any]) -> None:
+        self[key] = future
+        self.move_to_end(key)
+        while len(self) > self.capacity:
+            self.popitem(last=False)
+
+
 class BaseGrammarBackend(ABC):
-    def __init__(self, max_workers: int = 1) -> None:
+    def __init__(self, max_workers: int = 1, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
         self.executor = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
-        self.cache: dict[GrammarKey, Future[Any]] = {}
+        self.cache = GrammarCache(cache_size)
 
     def compile_async(self, key: GrammarKey) -> Future[Any]:
         """A future of the compiled grammar (it raises `GrammarError` if invalid)."""
-        future = self.cache.get(key)
+        future = self.cache.hit(key)
         if future is None:
-            future = self.cache[key] = self.executor.submit(self.compile, key)
+            future = self.executor.submit(self.compile, key)
+            self.cache.add(key, future)
         return future
 
     @abstractmethod
