@@ -1,14 +1,24 @@
 """Process plumbing shared by the three server roles: IPC endpoints, ZMQ sockets, logging,
-and making sure no child outlives the server."""
+and making sure no child outlives the server.
+
+IPC socket files live in a private directory per server, `$TMPDIR/radixrt-<pid>-<random>`
+(mode 0700, `<pid>` the main process): only its owner can connect to the sockets, which
+carry pickled messages. A normal stop removes the directory; after a `kill -9` it stays
+behind, and the next start on the machine removes every such directory whose pid is dead.
+Linux abstract sockets (`ipc://@name`) would vanish by themselves, but anyone in the network
+namespace may connect to one, whatever their user: no file permissions guard them.
+"""
 
 from __future__ import annotations
 
 import ctypes
 import logging
 import os
+import re
+import shutil
 import signal
+import stat
 import tempfile
-import uuid
 from dataclasses import dataclass
 
 import zmq
@@ -16,6 +26,8 @@ import zmq
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+IPC_DIR_PREFIX = "radixrt-"
+_IPC_DIR_NAME = re.compile(rf"{IPC_DIR_PREFIX}(\d+)-\w+")
 
 
 @dataclass(frozen=True)
@@ -25,21 +37,63 @@ class PortArgs:
     tokenizer_ipc: str  # detokenizer and scheduler -> tokenizer manager
     scheduler_input_ipc: str  # tokenizer manager -> scheduler
     detokenizer_ipc: str  # scheduler -> detokenizer
+    ipc_dir: str  # private to this server; holds the three socket files
 
     @classmethod
-    def new(cls) -> PortArgs:
-        base = os.path.join(tempfile.gettempdir(), f"radixrt-{uuid.uuid4().hex[:12]}")
-        return cls(f"ipc://{base}-tokenizer", f"ipc://{base}-scheduler", f"ipc://{base}-detok")
+    def new(cls, root: str | None = None) -> PortArgs:
+        """Fresh endpoints in a new private directory under `root` (the temp dir), after
+        removing the directories that dead servers left there."""
+        root = root or tempfile.gettempdir()
+        remove_stale_ipc_dirs(root)
+        # mkdtemp creates the directory 0700; the pid in its name tells who owns it.
+        ipc_dir = tempfile.mkdtemp(prefix=f"{IPC_DIR_PREFIX}{os.getpid()}-", dir=root)
+        return cls(
+            f"ipc://{ipc_dir}/tokenizer",
+            f"ipc://{ipc_dir}/scheduler",
+            f"ipc://{ipc_dir}/detokenizer",
+            ipc_dir,
+        )
 
     def paths(self) -> list[str]:
-        return [e.removeprefix("ipc://") for e in vars(self).values()]
+        endpoints = (self.tokenizer_ipc, self.scheduler_input_ipc, self.detokenizer_ipc)
+        return [e.removeprefix("ipc://") for e in endpoints]
 
     def cleanup(self) -> None:
-        for path in self.paths():
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def remove_stale_ipc_dirs(root: str) -> list[str]:
+    """Remove this user's `radixrt-<pid>-*` directories in `root` whose process is dead;
+    return their paths."""
+    removed = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _IPC_DIR_NAME.fullmatch(entry.name)
+        if match is None or _pid_alive(int(match.group(1))):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        logger.info("Removed the IPC directory of a dead server: %s", entry.path)
+        removed.append(entry.path)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 def zmq_socket(ctx: zmq.Context, kind: int, endpoint: str, bind: bool) -> zmq.Socket:

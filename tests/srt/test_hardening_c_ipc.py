@@ -1,0 +1,73 @@
+"""IPC socket files (issue 16, item 7): a private 0700 directory per server, removed on a
+normal stop; the directories that killed servers left behind are removed at the next start."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import zmq
+
+from srt.utils.process import IPC_DIR_PREFIX, PortArgs, remove_stale_ipc_dirs, zmq_socket
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_socket_paths_live_in_a_private_directory(tmp_path: Path) -> None:
+    port_args = PortArgs.new(root=str(tmp_path))
+    ipc_dir = Path(port_args.ipc_dir)
+    assert ipc_dir.parent == tmp_path
+    assert ipc_dir.name.startswith(f"{IPC_DIR_PREFIX}{os.getpid()}-")
+    assert stat.S_IMODE(ipc_dir.stat().st_mode) == 0o700
+    paths = [Path(p) for p in port_args.paths()]
+    assert len(set(paths)) == 3 and all(p.parent == ipc_dir for p in paths)
+    assert all(len(str(p)) < 100 for p in paths)  # sun_path holds 107 bytes
+    port_args.cleanup()
+
+
+def test_cleanup_after_use_leaves_nothing(tmp_path: Path) -> None:
+    port_args = PortArgs.new(root=str(tmp_path))
+    ctx = zmq.Context()
+    endpoints = (port_args.tokenizer_ipc, port_args.scheduler_input_ipc, port_args.detokenizer_ipc)
+    try:
+        for endpoint in endpoints:
+            pull = zmq_socket(ctx, zmq.PULL, endpoint, bind=True)
+            push = zmq_socket(ctx, zmq.PUSH, endpoint, bind=False)
+            push.send(b"x")
+            assert pull.recv() == b"x"
+        assert sorted(os.listdir(port_args.ipc_dir)) == ["detokenizer", "scheduler", "tokenizer"]
+    finally:
+        ctx.destroy(linger=0)
+        port_args.cleanup()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_stale_directory_of_a_dead_server_is_removed_at_next_start(tmp_path: Path) -> None:
+    stale = tmp_path / f"{IPC_DIR_PREFIX}{dead_pid()}-abc123"
+    stale.mkdir(mode=0o700)
+    (stale / "tokenizer").write_text("")
+    live = tmp_path / f"{IPC_DIR_PREFIX}{os.getppid()}-def456"  # the pytest runner's parent
+    live.mkdir()
+    unrelated = [tmp_path / f"{IPC_DIR_PREFIX}cache", tmp_path / "other-123-abc"]
+    for path in unrelated:
+        path.mkdir()
+    not_a_dir = tmp_path / f"{IPC_DIR_PREFIX}{dead_pid()}-file"
+    not_a_dir.write_text("")
+
+    port_args = PortArgs.new(root=str(tmp_path))
+
+    assert not stale.exists()
+    assert live.is_dir() and not_a_dir.is_file() and all(p.is_dir() for p in unrelated)
+    assert Path(port_args.ipc_dir).is_dir()
+    port_args.cleanup()
+    assert not Path(port_args.ipc_dir).exists()
+
+
+def test_remove_stale_ignores_a_missing_root(tmp_path: Path) -> None:
+    assert remove_stale_ipc_dirs(str(tmp_path / "missing")) == []
