@@ -39,7 +39,8 @@ class XGrammarBackend(BaseGrammarBackend):
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids)
         )
         self.vocab_size = vocab_size
-        self.compiler = xgr.GrammarCompiler(info, max_threads=1)
+        # Our LRU (`GrammarCache`) is the one cache: xgrammar's own is unbounded.
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
     def compile(self, key: GrammarKey) -> xgr.CompiledGrammar:
         try:

@@ -88,7 +88,11 @@ class Scheduler:
         self.kv = KVManager(rows, allocator, _prefix_cache(server_args))
         self.queues = Queues()
         self.grammar_backend = create_grammar_backend(
-            server_args.grammar_backend, tokenizer, self.vocab_size, self.eos_token_ids
+            server_args.grammar_backend,
+            tokenizer,
+            self.vocab_size,
+            self.eos_token_ids,
+            cache_size=server_args.grammar_cache_size,
         )
         self.output = Output(
             self.queues,
