@@ -11,7 +11,14 @@ Lifecycle of one `generate_request` call:
     generator closed or cancelled) sends an AbortReq so the scheduler frees the KV.
 
 All of it runs on one asyncio loop (uvicorn's for the server, a background one for the
-offline `Engine`); the ZMQ sockets are created on that loop the first time it is used.
+offline `Engine`); the ZMQ sockets are created on that loop the first time it is used. Only
+tokenizing and checking a prompt runs elsewhere, on a small thread pool: it takes about a
+second per MB of text, and the loop must keep serving every other client meanwhile.
+
+A request holds its rid, and every rid derived from it, in `rids` (a `RidTable`) from
+admission until its generator ends; a request whose names collide is refused. Shutting down
+(`drain`, on SIGTERM) refuses new requests, waits for the running ones, and fails the rest
+with a 503 the way a dead child does (`fail_all`).
 """
 
 from __future__ import annotations
@@ -21,9 +28,10 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -42,7 +50,7 @@ from managers.io_struct import (
     SchedulerStats,
 )
 from managers.metrics import ServerMetrics
-from managers.parallel_sampling import make_requests, prefill_rid
+from managers.parallel_sampling import RidTable, check_batch_size, make_requests, prefill_rid
 from managers.req_state import ReqState
 from managers.validation import (
     check_logprob_args,
@@ -55,10 +63,15 @@ from srt.server_args import ServerArgs
 from srt.utils.process import PortArgs, zmq_socket
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # How often a waiting request checks whether its HTTP client went away.
 DISCONNECT_POLL_S = 1.0
 CONTROL_TIMEOUT_S = 30.0
+# Threads that tokenize and check prompts. Few: a large prompt must not stall the event loop,
+# but tokenizing is CPU work that competes with the scheduler for the same cores.
+TOKENIZE_THREADS = 2
+DRAIN_POLL_S = 0.05
 
 
 class TokenizerManager:
@@ -86,6 +99,8 @@ class TokenizerManager:
         self.metrics = ServerMetrics(served_model_name)
         self.last_stats: SchedulerStats | None = None
         self.rid_to_state: dict[str, ReqState] = {}
+        self.rids = RidTable()
+        self.tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, "radixrt-tokenize")
         self.control_waiters: dict[type, deque[asyncio.Future[Any]]] = {}
         self.dead_reason: str | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -168,7 +183,11 @@ class TokenizerManager:
         """
         self.check_alive()
         self.ensure_started()
-        input_ids, params = self.tokenize_and_validate(obj)
+        loop = asyncio.get_running_loop()
+        input_ids, params = await loop.run_in_executor(
+            self.tokenize_pool, self.tokenize_and_validate, obj
+        )
+        self.check_alive()  # shutdown may have begun while the prompt was tokenized
         rid = obj.rid if obj.rid is not None else uuid.uuid4().hex
         msgs = make_requests(
             rid,
@@ -182,8 +201,6 @@ class TokenizerManager:
             bootstrap=obj.bootstrap,
         )
         samples = msgs if params.n == 1 else msgs[1:]
-        if any(m.rid in self.rid_to_state for m in samples):
-            raise RequestError(f"Duplicate request id {rid!r}.", param="rid")
         ready: asyncio.Queue[ReqState] = asyncio.Queue()
         states = [
             ReqState(
@@ -191,11 +208,12 @@ class TokenizerManager:
             )
             for j, m in enumerate(samples)
         ]
-        for state in states:
-            self.rid_to_state[state.rid] = state
-        for msg in msgs:
-            self.send_to_scheduler.send_pyobj(msg)
+        self.rids.reserve(rid, params.n)  # 400 if any of its rids is a running request's
         try:
+            for state in states:
+                self.rid_to_state[state.rid] = state
+            for msg in msgs:
+                self.send_to_scheduler.send_pyobj(msg)
             async for out in self._wait_outputs(states, ready, obj.stream, request):
                 yield out
         finally:
@@ -205,6 +223,7 @@ class TokenizerManager:
                 self.send_to_scheduler.send_pyobj(AbortReq(state.rid))
             if unfinished and params.n > 1:
                 self.send_to_scheduler.send_pyobj(AbortReq(prefill_rid(rid)))
+            self.rids.release(rid)
 
     async def _wait_outputs(
         self,
@@ -236,7 +255,8 @@ class TokenizerManager:
                 yield state.snapshot()
 
     def tokenize_and_validate(self, obj: GenerateReqInput) -> tuple[list[int], SamplingParams]:
-        """Token ids and checked sampling parameters (limits: `managers/validation.py`)."""
+        """Token ids and checked sampling parameters (limits: `managers/validation.py`).
+        Runs on `tokenize_pool`: it only reads the manager."""
         if (obj.text is None) == (obj.input_ids is None):
             raise RequestError("Give exactly one of `text` and `input_ids`.", param="text")
         if obj.text is not None:
@@ -253,6 +273,7 @@ class TokenizerManager:
                 raise RequestError("`input_ids` must be a list of integers.", param="input_ids")
         check_prompt(input_ids, self.context_len, self.vocab_size)
         params = parse_sampling_params(obj.sampling_params, self.vocab_size)
+        check_batch_size(1, params.n, self.server_args.max_batch_size, "n")
         fit_max_new_tokens(len(input_ids), params, self.context_len)
         if obj.return_logprob:
             check_logprob_args(obj.logprob_start_len, obj.top_logprobs_num, len(input_ids))
@@ -264,10 +285,8 @@ class TokenizerManager:
         if abort_all:
             self.send_to_scheduler.send_pyobj(AbortReq("", abort_all=True))
             return
-        rids = {s.rid for s in self.rid_to_state.values() if s.parent_rid == rid} | {rid}
-        for r in rids:
+        for r in self.rids.rids_to_abort(rid):
             self.send_to_scheduler.send_pyobj(AbortReq(r))
-        self.send_to_scheduler.send_pyobj(AbortReq(prefill_rid(rid)))
 
     async def flush_cache(self) -> FlushCacheReqOutput:
         return await self._control(FlushCacheReq(), FlushCacheReqOutput)
@@ -287,8 +306,14 @@ class TokenizerManager:
         except asyncio.TimeoutError:
             raise RequestError("The scheduler did not answer in time.", status_code=503) from None
 
+    async def off_loop(self, work: Callable[[], T]) -> T:
+        """`work()` run on `tokenize_pool`: tokenizer work as large as a body can make it
+        (see the module docstring)."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, work)
+
     def close(self) -> None:
         """Stop receiving (call on the manager's loop)."""
+        self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
         if self.loop is not None:
             self.handle_task.cancel()
             self.recv_socket.close()
@@ -297,14 +322,39 @@ class TokenizerManager:
     # ---- failure -------------------------------------------------------------------
     def check_alive(self) -> None:
         if self.dead_reason is not None:
-            raise RequestError(f"The server is shutting down: {self.dead_reason}", None, 503)
+            raise RequestError(shutting_down(self.dead_reason), None, 503)
+
+    async def drain(self, grace_s: float, reason: str) -> None:
+        """Shut down gently: refuse new requests with a 503 at once, give the running ones up
+        to `grace_s` seconds to finish, then fail the rest as `fail_all` does. Cancelling the
+        wait (a second signal) fails them at once."""
+        self.dead_reason = reason
+        logger.info(
+            "Shutting down (%s): refusing new requests; %d running get up to %.1f s.",
+            reason,
+            len(self.rids),
+            grace_s,
+        )
+        deadline = time.monotonic() + grace_s
+        try:
+            while self.rids and time.monotonic() < deadline:
+                await asyncio.sleep(DRAIN_POLL_S)
+        finally:
+            if self.rids:
+                logger.warning("Failing %d request(s) still running: %s", len(self.rids), reason)
+            self.fail_all(reason)
 
     def fail_all(self, reason: str) -> None:
-        """A child process died: finish every waiting request with an error (loop thread)."""
+        """Finish every waiting request with a 503 (loop thread): a child process died, or
+        the server is shutting down."""
         self.dead_reason = reason
         for state in list(self.rid_to_state.values()):
-            state.fail(reason)
+            state.fail(shutting_down(reason))
         self.rid_to_state.clear()
+
+
+def shutting_down(reason: str) -> str:
+    return f"The server is shutting down: {reason}"
 
 
 def load_chat_template(spec: str | None) -> str | None:

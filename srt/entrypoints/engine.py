@@ -117,12 +117,17 @@ class Engine:
         self.shutdown()
 
     # ---- plumbing ------------------------------------------------------------------
-    @staticmethod
     def _parse(
-        prompt: Any, sampling_params: Any, input_ids: Any, stream: bool, options: dict[str, Any]
+        self,
+        prompt: Any,
+        sampling_params: Any,
+        input_ids: Any,
+        stream: bool,
+        options: dict[str, Any],
     ) -> tuple[list[Any], bool]:
         body = {"text": prompt, "input_ids": input_ids, "sampling_params": sampling_params}
-        return parse_generate({**body, "stream": stream, **options})
+        body = {**body, "stream": stream, **options}
+        return parse_generate(body, self.server_args.max_batch_size)
 
     def _background_loop(self) -> asyncio.AbstractEventLoop:
         with self._loop_lock:

@@ -4,6 +4,13 @@
 `create_app(tm, server_args)` builds the FastAPI app (tests serve it too);
 `serve(server_args)` starts an `Engine`, runs uvicorn until SIGINT/SIGTERM, and exits
 non-zero if a child process died.
+
+Limits that keep one client from stalling the others: a body over `--max-request-bytes` is
+refused (413) before it is read whole (`BodyLimitMiddleware`); prompts are tokenized off the
+event loop (see `TokenizerManager`). SIGTERM drains: new requests get a 503, running ones
+have `--shutdown-grace-period` seconds to finish, the rest fail with a 503 (an error event
+on a stream), and the process exits 0. Clients see the served model name, never the model's
+local path; `/get_server_info` shows local paths only when an API key guards it.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import orjson
@@ -26,6 +33,7 @@ from fastapi.responses import StreamingResponse
 from managers.errors import RequestError
 from managers.io_struct import GenerateReqInput
 from managers.tokenizer_manager import TokenizerManager
+from srt.entrypoints.auth import resolve_api_key
 from srt.entrypoints.http_errors import (
     install_error_handlers,
     json_response,
@@ -43,6 +51,8 @@ VERSION = "0.1.0"
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 # A child died: give open connections this long to see their errors, then exit regardless.
 DEATH_EXIT_DEADLINE_S = 8.0
+# Server arguments that are local paths: shown by /get_server_info only behind an API key.
+LOCAL_PATH_ARGS = ("model_path", "tokenizer_path", "chat_template", "cache_dir", "api_key_file")
 
 
 def sse(item: Any) -> bytes:
@@ -92,6 +102,44 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class BodyLimitMiddleware:
+    """Pure ASGI: a request body over `max_bytes` answers 413 before it is read whole, at
+    once from its Content-Length, or as soon as a chunked upload passes the limit. Without
+    it a route would buffer and parse any body, however large."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def too_large(self) -> RequestError:
+        return RequestError(
+            f"The request body is larger than this server accepts ({self.max_bytes} bytes, "
+            "--max-request-bytes).",
+            status_code=413,
+        )
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            await request_error_response(self.too_large())(scope, receive, send)
+            return
+        received = 0
+
+        async def counting_receive() -> dict[str, Any]:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise self.too_large()  # the app's error handlers answer 413
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+
 def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     app = FastAPI(title="RadixRT", version=VERSION)
     install_error_handlers(app)
@@ -122,20 +170,29 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         return Response(status_code=200)
 
     async def model_info() -> Response:
+        name = tm.served_model_name  # the local paths stay private (see the module docstring)
         return json_response(
             {
-                "model_path": tm.model_path,
-                "tokenizer_path": server_args.tokenizer_path or tm.model_path,
-                "served_model_name": tm.served_model_name,
+                "model_path": name,
+                "tokenizer_path": name,
+                "served_model_name": name,
                 "is_generation": True,
                 "context_length": tm.context_len,
             }
         )
 
+    # Behind an API key every reader is an operator: show where the model was loaded from.
+    show_local_paths = resolve_api_key(server_args) is not None
+
     async def server_info() -> Response:
         state = dataclasses.asdict(await tm.get_internal_state())
         args = dataclasses.asdict(server_args)
         args.pop("api_key", None)
+        if show_local_paths:
+            args["model_path"] = tm.model_path
+        else:
+            args.update(dict.fromkeys(LOCAL_PATH_ARGS))
+            args["model_path"] = tm.served_model_name
         return json_response(
             {
                 **args,
@@ -154,7 +211,8 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        objs, is_batch = parse_generate(await read_json_body(request))
+        body = await read_json_body(request)
+        objs, is_batch = parse_generate(body, server_args.max_batch_size)
         if not objs[0].stream:
             return json_response(await generate_all(tm, objs, is_batch, request))
         stream = stream_all(tm, objs, is_batch, request)
@@ -193,7 +251,9 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
             raise RequestError("`prompt` must be a string or a list of strings.", "prompt")
         if not isinstance(add_special, bool):
             raise RequestError("`add_special_tokens` must be a boolean.", "add_special_tokens")
-        ids = [tm.tokenizer.encode(t, add_special_tokens=add_special) for t in texts]
+        ids = await tm.off_loop(
+            lambda: [tm.tokenizer.encode(t, add_special_tokens=add_special) for t in texts]
+        )
         one = not isinstance(prompt, list)
         return json_response(
             {
@@ -212,15 +272,22 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
             raise RequestError("This server has no tokenizer.", status_code=400)
         batch = isinstance(tokens, list) and bool(tokens) and isinstance(tokens[0], list)
         seqs = tokens if batch else [tokens]
-        ok = isinstance(tokens, list) and all(
-            isinstance(s, list) and all(isinstance(t, int) and 0 <= t < tm.vocab_size for t in s)
-            for s in seqs
-        )
-        if not ok or not isinstance(skip, bool):
+
+        def decode() -> list[str] | None:
+            ok = isinstance(tokens, list) and all(
+                isinstance(s, list)
+                and all(isinstance(t, int) and 0 <= t < tm.vocab_size for t in s)
+                for s in seqs
+            )
+            return [tm.tokenizer.decode(s, skip_special_tokens=skip) for s in seqs] if ok else None
+
+        if not isinstance(skip, bool):
+            raise RequestError("`skip_special_tokens` must be a boolean.", "skip_special_tokens")
+        texts = await tm.off_loop(decode)
+        if texts is None:
             raise RequestError(
                 f"`tokens` must be a list of token ids in [0, {tm.vocab_size}).", "tokens"
             )
-        texts = [tm.tokenizer.decode(s, skip_special_tokens=skip) for s in seqs]
         return json_response({"text": texts if batch else texts[0]})
 
     if server_args.enable_metrics:
@@ -229,14 +296,46 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         async def metrics() -> Response:
             return Response(tm.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    register_openai_routes(app, tm)
+    register_openai_routes(app, tm, server_args.max_batch_size)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=server_args.max_request_bytes)
     return app
 
 
 class _UvicornServer(uvicorn.Server):
-    """uvicorn re-raises a captured SIGTERM/SIGINT after its graceful shutdown, so the
-    process would die *by* the signal; the server owns its exit status instead (0 after a
-    requested stop, 1 after a child died)."""
+    """uvicorn with a drain on SIGTERM/SIGINT: the first signal runs `drain(signal name)`
+    while uvicorn keeps serving (so a new request gets a JSON 503, not a refused connection),
+    and uvicorn stops once it is done; a second signal cuts the drain short.
+
+    uvicorn would also re-raise a captured signal after its shutdown, so the process would
+    die *by* the signal; the server owns its exit status instead (0 after a requested stop,
+    1 after a child died)."""
+
+    def __init__(self, config: uvicorn.Config, drain: Callable[[str], Awaitable[None]]) -> None:
+        super().__init__(config)
+        self.drain = drain
+        self.drain_task: asyncio.Task[None] | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        # A signal handler interrupts the loop's thread anywhere: only hand over to the loop.
+        if self.loop is None:
+            self.should_exit = True
+        else:
+            self.loop.call_soon_threadsafe(self.on_signal, sig)
+
+    def on_signal(self, sig: int) -> None:
+        if self.drain_task is None:
+            self.drain_task = asyncio.ensure_future(self.drain(signal.Signals(sig).name))
+            self.drain_task.add_done_callback(lambda _: setattr(self, "should_exit", True))
+        elif not self.drain_task.done():
+            logger.info("Second %s: failing the running requests now.", signal.Signals(sig).name)
+            self.drain_task.cancel()
+        else:
+            self.force_exit = True  # uvicorn stops waiting for open connections
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -267,7 +366,12 @@ def serve(server_args: ServerArgs) -> int:
         timeout_graceful_shutdown=3,
         access_log=server_args.log_level == "debug",
     )
-    server = _UvicornServer(config)
+    tm = engine.tokenizer_manager
+
+    def drain(signal_name: str) -> Awaitable[None]:
+        return tm.drain(server_args.shutdown_grace_period, f"it received {signal_name}")
+
+    server = _UvicornServer(config, drain)
     child_died = threading.Event()
 
     def on_child_death(reason: str) -> None:

@@ -17,13 +17,13 @@ from typing import Any
 
 from managers.errors import RequestError
 from managers.io_struct import GenerateReqInput
+from managers.parallel_sampling import check_batch_size
 
-MAX_BATCH = 4096
 
-
-def parse_generate(body: Any) -> tuple[list[GenerateReqInput], bool]:
+def parse_generate(body: Any, max_batch_size: int) -> tuple[list[GenerateReqInput], bool]:
     """Split a body into one `GenerateReqInput` per prompt; also return whether it was a
-    batch. Unknown fields are ignored."""
+    batch. Unknown fields are ignored. A body whose prompts times n exceed `max_batch_size`
+    (`--max-batch-size`) is refused."""
     if not isinstance(body, dict):
         raise RequestError("The request body must be a JSON object.")
     text, input_ids = body.get("text"), body.get("input_ids")
@@ -41,8 +41,9 @@ def parse_generate(body: Any) -> tuple[list[GenerateReqInput], bool]:
         prompts = [("input_ids", ids) for ids in (input_ids if is_batch else [input_ids])]
     if is_batch and not prompts:
         raise RequestError("The batch is empty.", param="text")
-    if len(prompts) > MAX_BATCH:
-        raise RequestError(f"A batch holds at most {MAX_BATCH} prompts.", param="text")
+    prompt_field = prompts[0][0]
+    # Counted once before building the prompts' objects (n >= 1), once after with each n.
+    check_batch_size(len(prompts), len(prompts), max_batch_size, prompt_field)
     params = _per_prompt(body.get("sampling_params"), len(prompts), "sampling_params", dict)
     rids = _per_prompt(body.get("rid"), len(prompts), "rid", str)
     stream = body.get("stream", False)
@@ -73,6 +74,8 @@ def parse_generate(body: Any) -> tuple[list[GenerateReqInput], bool]:
         )
         for i, (field, prompt) in enumerate(prompts)
     ]
+    sequences = sum(num_samples(obj) for obj in objs)
+    check_batch_size(len(objs), sequences, max_batch_size, prompt_field)
     return objs, is_batch
 
 

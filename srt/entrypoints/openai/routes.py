@@ -2,6 +2,8 @@
 
 Bodies are parsed here with orjson (not by FastAPI) so malformed JSON and invalid fields
 answer 400 in our error shape even where `install_error_handlers` is not installed.
+
+A model card names the model as it is served (`--served-model-name`), never its local path.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from srt.entrypoints.openai.protocol import ModelCard
 from srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from srt.entrypoints.openai.serving_utils import TokenizerManagerLike, check_model, now
+from srt.server_args import ServerArgs
 
 Handler = Callable[[dict[str, Any], Request], Awaitable[Response]]
 
@@ -36,14 +39,15 @@ async def _serve(handler: Handler, request: Request) -> Response:
         return request_error_response(request_error_from_validation(err))
 
 
-def register_openai_routes(app: FastAPI, tm: TokenizerManagerLike) -> None:
-    completions = OpenAIServingCompletion(tm)
-    chat = OpenAIServingChat(tm)
+def register_openai_routes(
+    app: FastAPI, tm: TokenizerManagerLike, max_batch_size: int = ServerArgs.max_batch_size
+) -> None:
+    completions = OpenAIServingCompletion(tm, max_batch_size)
+    chat = OpenAIServingChat(tm)  # n alone is held to the limit by the tokenizer manager
 
     def model_card() -> ModelCard:
-        return ModelCard(
-            id=tm.served_model_name, created=now(), root=tm.model_path, max_model_len=tm.context_len
-        )
+        name = tm.served_model_name
+        return ModelCard(id=name, created=now(), root=name, max_model_len=tm.context_len)
 
     @app.get("/v1/models")
     async def list_models() -> Response:

@@ -1,6 +1,7 @@
 """`POST /v1/completions`: one `GenerateReqInput` per prompt, run concurrently.
 
-Choice indices are prompt-major: sample j of prompt i is choice `i * n + j`.
+Choice indices are prompt-major: sample j of prompt i is choice `i * n + j`. Prompts times n
+may not exceed `--max-batch-size`, the limit `/generate` shares.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any, cast
 from fastapi import Request, Response
 
 from managers.io_struct import GenerateReqInput
+from managers.parallel_sampling import check_batch_size
 from srt.entrypoints.http_errors import json_response
 from srt.entrypoints.openai.logprobs import completion_logprobs, take
 from srt.entrypoints.openai.protocol import (
@@ -44,13 +46,15 @@ def split_prompts(prompt: PromptField) -> list[Prompt]:
 
 
 class OpenAIServingCompletion:
-    def __init__(self, tm: TokenizerManagerLike) -> None:
+    def __init__(self, tm: TokenizerManagerLike, max_batch_size: int) -> None:
         self.tm = tm
+        self.max_batch_size = max_batch_size
 
     async def handle(self, body: dict[str, Any], raw_request: Request) -> Response:
         req = CompletionRequest.model_validate(body)
         check_model(self.tm, req.model)
         prompts = split_prompts(req.prompt)
+        check_batch_size(len(prompts), len(prompts) * req.n, self.max_batch_size, "prompt")
         params = sampling_params(req, req.max_tokens)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         gens = [

@@ -1,0 +1,260 @@
+"""Limits that keep one client from stalling or overloading the others (issue 16, items 1, 6
+and the model path of 7), against the shared server (default limits, no API key):
+
+- a body over --max-request-bytes is refused with a 413 before it is read whole, and a large
+  legal body is tokenized off the event loop: meanwhile /health and a running stream go on;
+- prompts times n over --max-batch-size is a 400 naming the field, on every route;
+- clients see the served model name, not the model's local path.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import orjson
+import pytest
+import requests
+
+pytestmark = pytest.mark.slow
+
+# The target is no stall over 200 ms; the margin is for a busy 2-core CI machine. Before the
+# fix, these waits were tens of seconds.
+MAX_STALL_S = 1.0
+MAX_REQUEST_BYTES = 8 * 2**20  # the default --max-request-bytes
+MAX_BATCH_SIZE = 4096  # the default --max-batch-size
+
+
+class Probes:
+    """A running stream and /health polled back to back, each noting its longest wait."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.stop = threading.Event()
+        self.streaming = threading.Event()
+        self.health_max_s = 0.0
+        self.stream_max_gap_s = 0.0
+        self.errors: list[str] = []
+        self.threads = [
+            threading.Thread(target=self._stream, daemon=True),
+            threading.Thread(target=self._health, daemon=True),
+        ]
+
+    def _stream(self) -> None:
+        body = {
+            "text": "Tell me a long story about a lighthouse.",
+            "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True},
+            "stream": True,
+        }
+        try:
+            with requests.post(self.url + "/generate", json=body, stream=True, timeout=120) as r:
+                last = None
+                for _ in r.iter_content(chunk_size=None):  # each chunk as it arrives
+                    now = time.monotonic()
+                    if last is not None:
+                        self.stream_max_gap_s = max(self.stream_max_gap_s, now - last)
+                    last = now
+                    self.streaming.set()
+                    if self.stop.is_set():
+                        return
+            self.errors.append("the probe stream ended early")
+        except requests.RequestException as e:
+            self.errors.append(f"stream: {e!r}")
+
+    def _health(self) -> None:
+        with requests.Session() as session:
+            while not self.stop.is_set():
+                start = time.monotonic()
+                try:
+                    status = session.get(self.url + "/health", timeout=120).status_code
+                except requests.RequestException as e:
+                    self.errors.append(f"health: {e!r}")
+                    return
+                self.health_max_s = max(self.health_max_s, time.monotonic() - start)
+                if status != 200:
+                    self.errors.append(f"health: {status}")
+                time.sleep(0.02)
+
+    def __enter__(self) -> Probes:  # noqa: PYI034
+        for t in self.threads:
+            t.start()
+        assert self.streaming.wait(60), f"the probe stream did not start: {self.errors}"
+        time.sleep(0.3)  # a few stream chunks before the load, for a baseline
+        self.stream_max_gap_s = 0.0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        time.sleep(0.5)  # keep probing a little after the load ended
+        self.stop.set()
+        for t in self.threads:
+            t.join(150)
+
+    def assert_no_stall(self) -> None:
+        assert not self.errors, self.errors
+        assert self.health_max_s < MAX_STALL_S, f"/health waited {self.health_max_s:.2f} s"
+        assert self.stream_max_gap_s < MAX_STALL_S, f"stream stalled {self.stream_max_gap_s:.2f} s"
+
+
+def generate_body(num_bytes: int) -> bytes:
+    words = "hello " * (num_bytes // 6)
+    return orjson.dumps({"text": words, "sampling_params": {"max_new_tokens": 1}})
+
+
+def assert_json_error(r: requests.Response, status: int, param: str | None = None) -> None:
+    assert r.status_code == status, r.text[:500]
+    error = r.json()["error"]
+    assert error["code"] == status
+    if param is not None:
+        assert error["param"] == param, error
+
+
+@contextmanager
+def timed() -> Iterator[list[float]]:
+    elapsed: list[float] = []
+    start = time.monotonic()
+    yield elapsed
+    elapsed.append(time.monotonic() - start)
+
+
+# ---- item 1: large bodies ---------------------------------------------------------------
+def test_50mb_body_is_refused_without_stalling_others(url: str) -> None:
+    body = generate_body(50 * 2**20)  # built before the probes: the client's own work
+    with Probes(url) as probes, timed() as elapsed:
+        r = requests.post(
+            url + "/generate",
+            data=body,
+            headers={"Content-Type": "application/json"},
+            timeout=120,
+        )
+    assert_json_error(r, 413)
+    assert "--max-request-bytes" in r.json()["error"]["message"]
+    assert elapsed[0] < 30
+    probes.assert_no_stall()
+
+
+def test_chunked_upload_over_the_limit_is_refused(url: str) -> None:
+    """No Content-Length: the server counts the bytes as they arrive."""
+    piece = b" " * 2**20
+
+    def chunks() -> Iterator[bytes]:
+        yield b'{"text": "hello", "pad": "'
+        for _ in range(MAX_REQUEST_BYTES // len(piece) + 2):
+            yield piece
+        yield b'"}'
+
+    r = requests.post(url + "/generate", data=chunks(), timeout=60)
+    assert_json_error(r, 413)
+    hi = {"text": "Hi", "sampling_params": {"max_new_tokens": 1}}
+    ok = requests.post(url + "/generate", json=hi, timeout=60)
+    assert ok.status_code == 200, ok.text
+
+
+def test_body_at_the_limit_is_not_refused_for_its_size(url: str) -> None:
+    body = generate_body(MAX_REQUEST_BYTES - 1024)
+    assert len(body) <= MAX_REQUEST_BYTES
+    r = requests.post(url + "/generate", data=body, timeout=120)
+    assert_json_error(r, 400, "input_ids")  # too long for the context, but read and parsed
+
+
+def test_4mb_prompt_is_tokenized_without_stalling_others(url: str) -> None:
+    body = generate_body(4 * 2**20)
+    with Probes(url) as probes:
+        r = requests.post(url + "/generate", data=body, timeout=120)
+        r_openai = requests.post(
+            url + "/v1/completions",
+            json={"prompt": "hello " * (2 * 2**20 // 6), "max_tokens": 1},
+            timeout=120,
+        )
+    assert_json_error(r, 400, "input_ids")  # longer than the context: refused after tokenizing
+    assert_json_error(r_openai, 400)
+    probes.assert_no_stall()
+
+
+# ---- item 6: one batch limit -------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": ["a"] * (MAX_BATCH_SIZE + 1), "max_tokens": 1}, "prompt"),
+        ("/v1/completions", {"prompt": ["a"] * 300, "max_tokens": 1, "n": 16}, "n"),
+        ("/generate", {"text": ["a"] * (MAX_BATCH_SIZE + 1)}, "text"),
+        ("/generate", {"input_ids": [[1]] * (MAX_BATCH_SIZE + 1)}, "input_ids"),
+        ("/generate", {"text": ["a"] * 300, "sampling_params": {"n": 16}}, "n"),
+    ],
+)
+def test_batch_over_the_limit_is_a_400(url: str, route: str, body: dict, param: str) -> None:
+    r = requests.post(url + route, json=body, timeout=30)
+    assert_json_error(r, 400, param)
+    assert "--max-batch-size" in r.json()["error"]["message"]
+
+
+# ---- item 7: the model's local path ---------------------------------------------------
+def test_clients_see_the_served_name_not_the_local_path(url: str, default_model_path: str) -> None:
+    models = requests.get(url + "/v1/models", timeout=30).json()["data"]
+    info = requests.get(url + "/get_model_info", timeout=30).json()
+    server = requests.get(url + "/get_server_info", timeout=30).json()  # no API key: public
+    name = info["served_model_name"]
+    assert [m["id"] for m in models] == [name]
+    for text in (orjson.dumps(models), orjson.dumps(info), orjson.dumps(server)):
+        assert default_model_path.encode() not in text
+        assert b"/.cache/" not in text
+    assert models[0]["root"] == name and info["model_path"] == name
+
+
+# ---- a server with a small batch limit, behind an API key --------------------------------
+KEY = "hardening-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+SMALL_BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def guarded_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from tests.server.server_process import ServerProcess
+
+    log = tmp_path_factory.mktemp("guarded") / "server.log"
+    args = ("--max-total-tokens", "4096", "--max-batch-size", str(SMALL_BATCH), "--api-key", KEY)
+    srv = ServerProcess(*args, log_path=log)
+    yield srv.url
+    assert srv.stop() == 0, srv.tail()
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 9}, "n"),
+        ("/v1/completions", {"prompt": ["a"] * 3, "n": 3}, "n"),
+        ("/v1/completions", {"prompt": ["a"] * 9}, "prompt"),
+        ("/generate", {"text": "a", "sampling_params": {"n": 9}}, "n"),
+        ("/generate", {"text": ["a"] * 3, "sampling_params": {"n": 3}}, "n"),
+        ("/generate", {"text": ["a"] * 9}, "text"),
+    ],
+)
+def test_small_batch_limit_on_every_route(
+    guarded_url: str, route: str, body: dict, param: str
+) -> None:
+    limited = {**body, "max_tokens": 1} if route.startswith("/v1") else body
+    r = requests.post(guarded_url + route, json=limited, headers=AUTH, timeout=60)
+    assert_json_error(r, 400, param)
+
+
+def test_batch_at_the_limit_runs(guarded_url: str) -> None:
+    for route, body in (
+        ("/v1/completions", {"prompt": ["a", "b"], "n": 4, "max_tokens": 1}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Hi"}], "n": 8, "max_tokens": 1},
+        ),
+        ("/generate", {"text": ["a", "b"], "sampling_params": {"n": 4, "max_new_tokens": 1}}),
+    ):
+        r = requests.post(guarded_url + route, json=body, headers=AUTH, timeout=120)
+        assert r.status_code == 200, (route, r.text)
+
+
+def test_operators_see_the_local_path_behind_the_api_key(
+    guarded_url: str, default_model_path: str
+) -> None:
+    server = requests.get(guarded_url + "/get_server_info", headers=AUTH, timeout=30).json()
+    assert server["model_path"] == default_model_path
+    info = requests.get(guarded_url + "/get_model_info", headers=AUTH, timeout=30).json()
+    assert info["model_path"] == info["served_model_name"]
