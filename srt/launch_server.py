@@ -15,7 +15,7 @@ from srt.utils.process import configure_logging
 def main(argv: list[str] | None = None) -> int:
     server_args = prepare_server_args(sys.argv[1:] if argv is None else argv)
     configure_logging(server_args.log_level, "server")
-    from srt.entrypoints.http_server import serve
+    from srt.entrypoints.serve import serve
 
     return serve(server_args)
 

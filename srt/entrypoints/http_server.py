@@ -1,16 +1,13 @@
 """The HTTP server: SGLang's native routes plus the OpenAI-compatible ones, over one
 `TokenizerManager`.
 
-`create_app(tm, server_args)` builds the FastAPI app (tests serve it too);
-`serve(server_args)` starts an `Engine`, runs uvicorn until SIGINT/SIGTERM, and exits
-non-zero if a child process died.
+`create_app(tm, server_args)` builds the FastAPI app (tests serve it too); `serve.py` runs it.
 
 Limits that keep one client from stalling the others: a body over `--max-request-bytes` is
-refused (413) before it is read whole (`BodyLimitMiddleware`); prompts are tokenized off the
-event loop (see `TokenizerManager`). SIGTERM drains: new requests get a 503, running ones
-have `--shutdown-grace-period` seconds to finish, the rest fail with a 503 (an error event
-on a stream), and the process exits 0. Clients see the served model name, never the model's
-local path; `/get_server_info` shows local paths only when an API key guards it.
+refused (413) before it is read whole (`limits.py`); prompts are tokenized off the event loop
+(see `TokenizerManager`); the API key is checked by `auth.py`. Clients see the served model
+name, never the model's local path; `/get_server_info` shows local paths only when an API
+key guards it.
 """
 
 from __future__ import annotations
@@ -19,28 +16,24 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
-import signal
-import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
-import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
 from managers.errors import RequestError
 from managers.io_struct import GenerateReqInput
 from managers.tokenizer_manager import TokenizerManager
-from srt.entrypoints.auth import resolve_api_key
+from srt.entrypoints.auth import ApiKeyMiddleware, resolve_api_key
 from srt.entrypoints.http_errors import (
     install_error_handlers,
     json_response,
     read_json_body,
-    request_error_response,
     sse_error_event,
 )
+from srt.entrypoints.limits import BodyLimitMiddleware
 from srt.entrypoints.native_protocol import generate_all, parse_generate, stream_all
 from srt.entrypoints.openai.routes import register_openai_routes
 from srt.server_args import ServerArgs
@@ -49,8 +42,6 @@ logger = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
 HEALTH_GENERATE_TIMEOUT_S = 20.0
-# A child died: give open connections this long to see their errors, then exit regardless.
-DEATH_EXIT_DEADLINE_S = 8.0
 # Server arguments that are local paths: shown by /get_server_info only behind an API key.
 LOCAL_PATH_ARGS = ("model_path", "tokenizer_path", "chat_template", "cache_dir", "api_key_file")
 
@@ -81,70 +72,11 @@ async def sse_stream(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[byte
     yield SSE_DONE
 
 
-class ApiKeyMiddleware:
-    """Pure ASGI (so streaming and disconnect detection are untouched): every route but
-    /health needs `Authorization: Bearer <key>`."""
-
-    OPEN_PATHS = ("/health",)
-
-    def __init__(self, app: Any, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] not in self.OPEN_PATHS:
-            headers = dict(scope.get("headers") or [])
-            if headers.get(b"authorization") != self.expected:
-                err = RequestError("Invalid or missing API key.", status_code=401)
-                response = request_error_response(err)
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class BodyLimitMiddleware:
-    """Pure ASGI: a request body over `max_bytes` answers 413 before it is read whole, at
-    once from its Content-Length, or as soon as a chunked upload passes the limit. Without
-    it a route would buffer and parse any body, however large."""
-
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    def too_large(self) -> RequestError:
-        return RequestError(
-            f"The request body is larger than this server accepts ({self.max_bytes} bytes, "
-            "--max-request-bytes).",
-            status_code=413,
-        )
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = dict(scope.get("headers") or []).get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.max_bytes:
-            await request_error_response(self.too_large())(scope, receive, send)
-            return
-        received = 0
-
-        async def counting_receive() -> dict[str, Any]:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise self.too_large()  # the app's error handlers answer 413
-            return message
-
-        await self.app(scope, counting_receive, send)
-
-
 def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     app = FastAPI(title="RadixRT", version=VERSION)
     install_error_handlers(app)
-    if server_args.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=server_args.api_key)
+    if api_key := resolve_api_key(server_args):
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
     @app.get("/health")
     async def health() -> Response:
@@ -299,94 +231,3 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     register_openai_routes(app, tm, server_args.max_batch_size)
     app.add_middleware(BodyLimitMiddleware, max_bytes=server_args.max_request_bytes)
     return app
-
-
-class _UvicornServer(uvicorn.Server):
-    """uvicorn with a drain on SIGTERM/SIGINT: the first signal runs `drain(signal name)`
-    while uvicorn keeps serving (so a new request gets a JSON 503, not a refused connection),
-    and uvicorn stops once it is done; a second signal cuts the drain short.
-
-    uvicorn would also re-raise a captured signal after its shutdown, so the process would
-    die *by* the signal; the server owns its exit status instead (0 after a requested stop,
-    1 after a child died)."""
-
-    def __init__(self, config: uvicorn.Config, drain: Callable[[str], Awaitable[None]]) -> None:
-        super().__init__(config)
-        self.drain = drain
-        self.drain_task: asyncio.Task[None] | None = None
-        self.loop: asyncio.AbstractEventLoop | None = None
-
-    async def serve(self, sockets: Any = None) -> None:
-        self.loop = asyncio.get_running_loop()
-        await super().serve(sockets)
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        # A signal handler interrupts the loop's thread anywhere: only hand over to the loop.
-        if self.loop is None:
-            self.should_exit = True
-        else:
-            self.loop.call_soon_threadsafe(self.on_signal, sig)
-
-    def on_signal(self, sig: int) -> None:
-        if self.drain_task is None:
-            self.drain_task = asyncio.ensure_future(self.drain(signal.Signals(sig).name))
-            self.drain_task.add_done_callback(lambda _: setattr(self, "should_exit", True))
-        elif not self.drain_task.done():
-            logger.info("Second %s: failing the running requests now.", signal.Signals(sig).name)
-            self.drain_task.cancel()
-        else:
-            self.force_exit = True  # uvicorn stops waiting for open connections
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        sigs = (signal.SIGINT, signal.SIGTERM)
-        original = {sig: signal.signal(sig, self.handle_exit) for sig in sigs}
-        try:
-            yield
-        finally:
-            for sig, handler in original.items():
-                signal.signal(sig, handler)
-
-
-def serve(server_args: ServerArgs) -> int:
-    """Run the server until SIGINT/SIGTERM (exit 0) or until a child dies (exit 1)."""
-    from srt.entrypoints.engine import Engine
-
-    engine = Engine(server_args)
-    app = create_app(engine.tokenizer_manager, server_args)
-    config = uvicorn.Config(
-        app,
-        host=server_args.host,
-        port=server_args.port,
-        log_level=server_args.log_level,
-        timeout_keep_alive=5,
-        timeout_graceful_shutdown=3,
-        access_log=server_args.log_level == "debug",
-    )
-    tm = engine.tokenizer_manager
-
-    def drain(signal_name: str) -> Awaitable[None]:
-        return tm.drain(server_args.shutdown_grace_period, f"it received {signal_name}")
-
-    server = _UvicornServer(config, drain)
-    child_died = threading.Event()
-
-    def on_child_death(reason: str) -> None:
-        child_died.set()
-        # Ask uvicorn to stop (open requests were already failed with 503), and make sure
-        # the process ends even if a connection hangs on.
-        server.should_exit = True
-        timer = threading.Timer(DEATH_EXIT_DEADLINE_S, os._exit, args=(1,))
-        timer.daemon = True
-        timer.start()
-
-    engine.on_child_death = on_child_death
-    logger.info("Serving %s at %s", engine.tokenizer_manager.served_model_name, server_args.url())
-    try:
-        server.run()
-    finally:
-        engine.shutdown()
-    return 1 if child_died.is_set() else 0

@@ -38,6 +38,9 @@ class FakeTokenizerManager:
         self.received: list[GenerateReqInput] = []
         self.closed_early: list[str] = []
 
+    async def off_loop(self, work: Any) -> Any:
+        return work()  # the real manager runs it on a worker thread
+
     def reset(self) -> None:
         self.received.clear()
         self.closed_early.clear()

@@ -20,7 +20,7 @@ def test_models(client: openai.OpenAI, base_url: str, tm: FakeTokenizerManager) 
     body = requests.get(f"{base_url}/v1/models", timeout=5).json()
     card = body["data"][0]
     assert body["object"] == "list" and card["object"] == "model"
-    assert card["owned_by"] == "radixrt" and card["root"] == tm.model_path
+    assert card["owned_by"] == "radixrt" and card["root"] == tm.served_model_name
     assert card["max_model_len"] == tm.context_len and isinstance(card["created"], int)
     assert client.models.retrieve("fake-model").id == "fake-model"
 

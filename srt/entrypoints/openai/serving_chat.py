@@ -54,8 +54,10 @@ class OpenAIServingChat:
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         # The template writes its own special tokens (BOS included, where it has one), so the
         # text is tokenized without adding more.
-        prompt_ids = self.tm.tokenizer.encode(
-            self.apply_chat_template(req), add_special_tokens=False
+        prompt_ids = await self.tm.off_loop(
+            lambda: self.tm.tokenizer.encode(
+                self.apply_chat_template(req), add_special_tokens=False
+            )
         )
         obj = GenerateReqInput(
             input_ids=prompt_ids,

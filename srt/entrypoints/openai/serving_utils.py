@@ -18,9 +18,9 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import orjson
 from fastapi import Request, Response
@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+T = TypeVar("T")
+
+
 class TokenizerManagerLike(Protocol):
     """The part of the TokenizerManager the OpenAI layer uses."""
 
@@ -54,6 +57,10 @@ class TokenizerManagerLike(Protocol):
     def generate_request(
         self, obj: GenerateReqInput, request: Request | None = None
     ) -> AsyncGenerator[dict[str, Any], None]: ...
+
+    async def off_loop(self, work: Callable[[], T]) -> T:
+        """Run tokenizer work off the event loop (a large prompt must not stall it)."""
+        ...
 
 
 def now() -> int:
