@@ -93,15 +93,3 @@ class RidTable:
         """The scheduler rids an abort of `rid` reaches: all of a request's, given its own
         rid; else `rid` alone (one sample, or a request this table does not hold)."""
         return self.requests.get(rid, [rid])
-
-
-def check_batch_size(num_prompts: int, num_sequences: int, limit: int, prompt_field: str) -> None:
-    """The one limit (`--max-batch-size`) on the sequences a request creates: its prompts
-    times their n, on every route. Over it: a 400 naming the field to shrink."""
-    if num_sequences <= limit:
-        return
-    raise RequestError(
-        f"This request would run {num_sequences} sequences ({num_prompts} prompt(s) times n); "
-        f"this server runs at most {limit} per request (--max-batch-size).",
-        param=prompt_field if num_prompts > limit else "n",
-    )

@@ -30,7 +30,6 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, TypeVar
 
 import zmq
@@ -50,14 +49,9 @@ from managers.io_struct import (
     SchedulerStats,
 )
 from managers.metrics import ServerMetrics
-from managers.parallel_sampling import RidTable, check_batch_size, make_requests, prefill_rid
+from managers.parallel_sampling import RidTable, make_requests, prefill_rid
 from managers.req_state import ReqState
-from managers.validation import (
-    check_logprob_args,
-    check_prompt,
-    fit_max_new_tokens,
-    parse_sampling_params,
-)
+from managers.validation import load_chat_template, prepare_prompt
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 from srt.utils.process import PortArgs, zmq_socket
@@ -255,29 +249,10 @@ class TokenizerManager:
                 yield state.snapshot()
 
     def tokenize_and_validate(self, obj: GenerateReqInput) -> tuple[list[int], SamplingParams]:
-        """Token ids and checked sampling parameters (limits: `managers/validation.py`).
-        Runs on `tokenize_pool`: it only reads the manager."""
-        if (obj.text is None) == (obj.input_ids is None):
-            raise RequestError("Give exactly one of `text` and `input_ids`.", param="text")
-        if obj.text is not None:
-            if not isinstance(obj.text, str):
-                raise RequestError("`text` must be a string or a list of strings.", param="text")
-            if self.tokenizer is None:
-                raise RequestError("This server has no tokenizer; send `input_ids`.", "text")
-            input_ids = self.tokenizer.encode(obj.text)
-        else:
-            input_ids = obj.input_ids
-            if not isinstance(input_ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in input_ids
-            ):
-                raise RequestError("`input_ids` must be a list of integers.", param="input_ids")
-        check_prompt(input_ids, self.context_len, self.vocab_size)
-        params = parse_sampling_params(obj.sampling_params, self.vocab_size)
-        check_batch_size(1, params.n, self.server_args.max_batch_size, "n")
-        fit_max_new_tokens(len(input_ids), params, self.context_len)
-        if obj.return_logprob:
-            check_logprob_args(obj.logprob_start_len, obj.top_logprobs_num, len(input_ids))
-        return list(input_ids), params
+        """Runs on `tokenize_pool`: it only reads the manager."""
+        return prepare_prompt(
+            obj, self.tokenizer, self.context_len, self.vocab_size, self.server_args.max_batch_size
+        )
 
     # ---- control -------------------------------------------------------------------
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
@@ -355,15 +330,3 @@ class TokenizerManager:
 
 def shutting_down(reason: str) -> str:
     return f"The server is shutting down: {reason}"
-
-
-def load_chat_template(spec: str | None) -> str | None:
-    """`--chat-template`: a path to a Jinja file, or the template text itself."""
-    if spec is None:
-        return None
-    path = Path(spec).expanduser()
-    if path.is_file():
-        return path.read_text()
-    if "{%" in spec or "{{" in spec:
-        return spec
-    raise FileNotFoundError(f"--chat-template {spec!r} is neither a file nor a Jinja template")

@@ -9,9 +9,11 @@ before tokenizing exactly when this module would refuse it afterwards."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from managers.errors import RequestError
+from managers.io_struct import GenerateReqInput
 from srt.sampling.sampling_params import InvalidSamplingParam, SamplingParams
 
 MAX_TOP_LOGPROBS = 20
@@ -79,3 +81,54 @@ def check_logprob_args(logprob_start_len: Any, top_logprobs_num: Any, prompt_len
             f"`top_logprobs_num` must be an integer in [0, {MAX_TOP_LOGPROBS}].",
             param="top_logprobs_num",
         )
+
+
+def check_batch_size(num_prompts: int, num_sequences: int, limit: int, prompt_field: str) -> None:
+    """The one limit (`--max-batch-size`) on the sequences a request creates: its prompts
+    times their n, on every route. Over it: a 400 naming the field to shrink."""
+    if num_sequences <= limit:
+        return
+    raise RequestError(
+        f"This request would run {num_sequences} sequences ({num_prompts} prompt(s) times n); "
+        f"this server runs at most {limit} per request (--max-batch-size).",
+        param=prompt_field if num_prompts > limit else "n",
+    )
+
+
+def prepare_prompt(
+    obj: GenerateReqInput, tokenizer: Any, context_len: int, vocab_size: int, max_batch_size: int
+) -> tuple[list[int], SamplingParams]:
+    """One prompt of a native request: its token ids and checked sampling parameters."""
+    if (obj.text is None) == (obj.input_ids is None):
+        raise RequestError("Give exactly one of `text` and `input_ids`.", param="text")
+    if obj.text is not None:
+        if not isinstance(obj.text, str):
+            raise RequestError("`text` must be a string or a list of strings.", param="text")
+        if tokenizer is None:
+            raise RequestError("This server has no tokenizer; send `input_ids`.", "text")
+        input_ids = tokenizer.encode(obj.text)
+    else:
+        input_ids = obj.input_ids
+        if not isinstance(input_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in input_ids
+        ):
+            raise RequestError("`input_ids` must be a list of integers.", param="input_ids")
+    check_prompt(input_ids, context_len, vocab_size)
+    params = parse_sampling_params(obj.sampling_params, vocab_size)
+    check_batch_size(1, params.n, max_batch_size, "n")
+    fit_max_new_tokens(len(input_ids), params, context_len)
+    if obj.return_logprob:
+        check_logprob_args(obj.logprob_start_len, obj.top_logprobs_num, len(input_ids))
+    return list(input_ids), params
+
+
+def load_chat_template(spec: str | None) -> str | None:
+    """`--chat-template`: a path to a Jinja file, or the template text itself."""
+    if spec is None:
+        return None
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{%" in spec or "{{" in spec:
+        return spec
+    raise FileNotFoundError(f"--chat-template {spec!r} is neither a file nor a Jinja template")

@@ -17,7 +17,7 @@ from typing import Any
 
 from managers.errors import RequestError
 from managers.io_struct import GenerateReqInput
-from managers.parallel_sampling import check_batch_size
+from managers.validation import check_batch_size
 
 
 def parse_generate(body: Any, max_batch_size: int) -> tuple[list[GenerateReqInput], bool]:

@@ -14,7 +14,7 @@ from typing import Any, cast
 from fastapi import Request, Response
 
 from managers.io_struct import GenerateReqInput
-from managers.parallel_sampling import check_batch_size
+from managers.validation import check_batch_size
 from srt.entrypoints.http_errors import json_response
 from srt.entrypoints.openai.logprobs import completion_logprobs, take
 from srt.entrypoints.openai.protocol import (
