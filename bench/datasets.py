@@ -229,11 +229,17 @@ def load_tokenizer(path: str | None, base_url: str) -> Any:
     """`path` (a local folder), else the server's tokenizer as /get_model_info names it."""
     from transformers import AutoTokenizer
 
+    from srt.model_loader.loader import resolve_model_path
+    from srt.server_args import DEFAULT_MODEL_NAME
+
     if path is None:
         info = server_json(base_url, "/get_model_info") or {}
         path = info.get("tokenizer_path") or info.get("model_path")
     if not path:
         raise SystemExit("no tokenizer: pass --tokenizer (the server did not name one)")
+    if path == DEFAULT_MODEL_NAME and not Path(path).exists():
+        # Servers name their model, not its local folder: this one is the bundled default.
+        path = resolve_model_path(None)
     local = Path(path)
     if local.suffix == ".gguf" and local.is_file():
         return AutoTokenizer.from_pretrained(local.parent, gguf_file=local.name)
