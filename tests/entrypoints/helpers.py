@@ -2,12 +2,47 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
 import requests
+import uvicorn
+from fastapi import FastAPI
+
+from srt.entrypoints.http_errors import install_error_handlers
+from srt.entrypoints.openai.routes import register_openai_routes
 
 TIMEOUT_S = 10
+
+
+@contextlib.contextmanager
+def serve_openai_routes(tm: Any) -> Iterator[str]:
+    """The OpenAI routes over `tm` (a tokenizer-manager test double) on a real uvicorn server
+    in a thread; yields its base URL."""
+    app = FastAPI()
+    install_error_handlers(app)
+    register_openai_routes(app, tm)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))  # a free port, held until uvicorn owns it
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=5)
+        sock.close()
 
 
 def post(url: str, body: dict[str, Any] | bytes) -> requests.Response:

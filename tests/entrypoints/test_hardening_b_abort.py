@@ -5,22 +5,15 @@ code stays an error."""
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import uvicorn
-from fastapi import FastAPI
 
 from managers.errors import RequestError
-from srt.entrypoints.http_errors import install_error_handlers
-from srt.entrypoints.openai.routes import register_openai_routes
 from srt.entrypoints.openai.serving_utils import finish_reason
 from tests.entrypoints.fake_tokenizer_manager import TRIGGER_ABORT, FakeTokenizerManager
-from tests.entrypoints.helpers import post, sse_events
+from tests.entrypoints.helpers import post, serve_openai_routes, sse_events
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -64,23 +57,8 @@ def plain_abort_url(default_model_path: str) -> Iterator[str]:
     from srt.model_loader.loader import get_tokenizer
 
     tm = PlainAbortTokenizerManager(get_tokenizer(default_model_path), default_model_path)
-    app = FastAPI()
-    install_error_handlers(app)
-    register_openai_routes(app, tm)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=5)
-    sock.close()
+    with serve_openai_routes(tm) as url:
+        yield url
 
 
 def _body(path: str, stream: bool) -> dict[str, Any]:
