@@ -113,11 +113,12 @@ class Output:
                 req.logprobs.input_done = True
             if not req.finished():
                 self._append_token(req, result, i)
-            if req.finished() and req.output_ids and self.take_finished(req):
-                pass  # the disaggregation side finishes it once its KV reached decode
-            elif req.finished():
-                self.kv.cache_finished(req)
-                emit.append(req)
+            if req.finished():
+                # A prefill-side request of a PD pair stays with the disaggregation side
+                # until its KV reached the decode server; any other is done here.
+                if not (req.output_ids and self.take_finished(req)):
+                    self.kv.cache_finished(req)
+                    emit.append(req)
             elif req.stream or extend:
                 # Every request reports its first token (time to first token is measured
                 # for all); after that only streaming ones report per step.
