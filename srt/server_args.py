@@ -82,6 +82,32 @@ class ServerArgs:
     shutdown_grace_period: float = _opt(
         5.0, "seconds SIGTERM lets running requests finish before they are failed"
     )
+    # Admission and time limits (what an overloaded server refuses, and when it gives up)
+    max_queued_requests: int | None = _opt(
+        None,
+        "most requests waiting for admission; more get a 503 with Retry-After "
+        "(default: unbounded)",
+    )
+    max_queued_tokens: int | None = _opt(
+        None, "most prompt tokens waiting for admission; more get a 503 (default: unbounded)"
+    )
+    waiting_timeout: float | None = _opt(
+        None, "seconds a request may wait for admission before it fails (default: no limit)"
+    )
+    running_timeout: float | None = _opt(
+        None, "seconds a request may run once admitted before it fails (default: no limit)"
+    )
+    enable_priority_scheduling: bool = _opt(
+        False, "admit waiting requests by their `priority` first (higher first)"
+    )
+    schedule_low_priority_values_first: bool = _opt(
+        False, "with priority scheduling: lower `priority` values are admitted first"
+    )
+    watchdog_timeout: float = _opt(
+        300.0,
+        "seconds one scheduler step (a forward) may take before /health fails and the "
+        "server exits non-zero",
+    )
     # Memory
     mem_fraction_static: float | None = _opt(
         None, "fraction of memory for weights + KV pool (default 0.88 on GPU, 0.3 on CPU)"
@@ -115,12 +141,26 @@ class ServerArgs:
     disaggregation_timeout: float = _opt(
         30.0, "seconds a disaggregated request may wait for its peer before it fails"
     )
+    disaggregation_quarantine_timeout: float = _opt(
+        60.0,
+        "decode side: seconds slots announced to a prefill peer stay unused after a cancel, "
+        "unless the peer confirms sooner that it will not write them",
+    )
     # Constrained decoding
     grammar_backend: str = _opt(
         "xgrammar", "grammar backend", _registry_names("constrained:GRAMMAR_BACKENDS")
     )
     grammar_compile_timeout: float = _opt(
         60.0, "seconds a request waits for its grammar to compile before it fails"
+    )
+    grammar_compile_threads: int = _opt(
+        4, "grammars compiled at once, so that one slow compile cannot delay the others"
+    )
+    grammar_max_schema_bytes: int = _opt(
+        65536, "largest JSON schema, regex or EBNF grammar in bytes; larger ones get a 400"
+    )
+    grammar_max_depth: int = _opt(
+        20, "deepest nesting of a JSON schema (objects, arrays, combinators); deeper gets a 400"
     )
     # Backends
     attention_backend: str = _opt(
@@ -149,6 +189,11 @@ class ServerArgs:
         False, "accepted for SGLang compatibility: cached tokens are always reported"
     )
     decode_log_interval: int = _opt(40, "decode steps between two decode log lines")
+    kv_events_config: str | None = _opt(
+        None,
+        'publish KV-cache events over ZMQ: JSON such as {"publisher": "zmq", '
+        '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}',
+    )
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
