@@ -1,8 +1,9 @@
 """Proof that no KV page is leaked or owned twice.
 
 Every page 1..num_pages must be owned by exactly one of: the allocator's free list, a radix
-tree node, or a running request's own positions (`req_to_token[row, protected_len:
-allocated_len]` of its `KVSpan`), and `free + evictable + protected + own == total` in tokens.
+tree node, a running request's own positions (`req_to_token[row, protected_len:
+allocated_len]` of its `KVSpan`), or the quarantine (slots a disaggregation peer may still
+write), and `free + evictable + protected + own + quarantined == total` in tokens.
 `KVManager.check_integrity` calls it when the scheduler goes idle; tests call it after steps.
 """
 
@@ -41,6 +42,7 @@ def check_memory_integrity(
     tree_cache: BasePrefixCache,
     spans: Iterable[KVSpan] = (),
     req_to_token_pool: ReqToTokenPool | None = None,
+    quarantined: torch.Tensor | None = None,
 ) -> None:
     ps = allocator.page_size
     num_pages = allocator.num_pages
@@ -76,6 +78,14 @@ def check_memory_integrity(
         req_tokens += len(own_pages) * ps
         owners.append((f"row {span.row}", own_pages))
 
+    quarantined_tokens = 0
+    if quarantined is not None and len(quarantined):
+        if len(torch.unique(quarantined)) != len(quarantined):
+            errors.append("the quarantine holds a slot twice")
+        q_pages = torch.unique(_pages_of(quarantined, ps))
+        quarantined_tokens = len(q_pages) * ps
+        owners.append(("quarantine", q_pages))
+
     all_pages = torch.cat([p for _, p in owners])
     bad = all_pages[(all_pages < 1) | (all_pages > num_pages)]
     if len(bad):
@@ -102,10 +112,11 @@ def check_memory_integrity(
         )
     free = allocator.available_size()
     total = allocator.total_size()
-    if free + evictable + protected + req_tokens != total:
+    owned = free + evictable + protected + req_tokens + quarantined_tokens
+    if owned != total:
         errors.append(
             f"accounting: free={free} + evictable={evictable} + protected={protected} "
-            f"+ running={req_tokens} = {free + evictable + protected + req_tokens} != "
+            f"+ running={req_tokens} + quarantined={quarantined_tokens} = {owned} != "
             f"total={total}"
         )
     if errors:

@@ -16,14 +16,18 @@ slots and returns what it evicts; it never sees a request or the allocator.
 With a tree that does not share (`ChunkCache`, `--disable-radix-cache`), a request keeps all
 its slots until it finishes and then frees them; nothing is inserted.
 
+Quarantine (disaggregated decode): slots announced to a prefill server that may still write
+into them are held here, owned by no request and not free, until the caller releases them.
+
 Integrity (`check_integrity`): every page is owned by exactly one of the free list, a tree
-node, or a span's own positions, and `free + evictable + protected + own == total`.
+node, a span's own positions or the quarantine, and
+`free + evictable + protected + own + quarantined == total`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -95,6 +99,8 @@ class KVManager:
         self.page_size = allocator.page_size
         self.total_tokens = allocator.total_size()
         self.max_rows = rows.size
+        # Slots a peer may still write into, by the caller's key (see "quarantine" below).
+        self.quarantined: dict[Hashable, torch.Tensor] = {}
 
     # ---- sizes ---------------------------------------------------------------------
     def available_tokens(self) -> int:
@@ -266,6 +272,36 @@ class KVManager:
         self.rows.free(span.row)
         span.clear()
 
+    # ---- quarantine: slots a peer may still write (disaggregated decode) ----------------
+    # Not free and not evictable, so they count as used in `token_usage` and are never
+    # handed out; the caller decides when the peer is done with them (an acknowledgement, or
+    # a time bound) and releases them by key.
+    def quarantine(self, key: Hashable, span: KVSpan) -> int:
+        """Take the span's own slots out of use without freeing them, release its row and
+        lock, and return how many slots are held."""
+        if key in self.quarantined:
+            raise ValueError(f"quarantine key {key!r} is already held")
+        slots = self._row_slots(span, span.allocated_len)[span.protected_len :].clone()
+        self.tree.dec_lock_ref(span.last_node)
+        self.rows.free(span.row)
+        span.clear()
+        self.quarantined[key] = slots
+        return len(slots)
+
+    def release_quarantine(self, key: Hashable) -> int:
+        """Free the slots held under `key` (0 when none are)."""
+        slots = self.quarantined.pop(key, None)
+        if slots is None:
+            return 0
+        self.allocator.free(slots)
+        return len(slots)
+
+    def quarantined_tokens(self) -> int:
+        return sum(len(s) for s in self.quarantined.values())
+
+    def _quarantined_slots(self) -> torch.Tensor:
+        return torch.cat(list(self.quarantined.values())) if self.quarantined else _EMPTY
+
     # ---- overlap loop: rows freed while a forward may still read them -------------------
     def hold_row_frees(self) -> None:
         self.rows.hold_frees = True
@@ -278,11 +314,18 @@ class KVManager:
 
     # ---- whole pool ----------------------------------------------------------------
     def flush(self) -> None:
-        """Drop the tree and free everything; only when no request holds KV."""
-        self.tree.reset()
-        self.allocator.clear()
+        """Drop the tree and free everything; only when no request holds KV. Quarantined
+        slots stay held (a peer may still write them): then only the tree's slots are freed."""
+        if self.quarantined:
+            self.allocator.free(self.tree.all_nodes_slots())
+            self.tree.reset()
+        else:
+            self.tree.reset()
+            self.allocator.clear()
         self.rows.clear()
 
     def check_integrity(self, spans: Iterable[KVSpan]) -> None:
         """Raise `MemoryLeakError` unless every page has exactly one owner (see module doc)."""
-        check_memory_integrity(self.allocator, self.tree, spans, self.rows)
+        check_memory_integrity(
+            self.allocator, self.tree, spans, self.rows, self._quarantined_slots()
+        )
