@@ -33,6 +33,10 @@ class GenerateReqInput:
     return_text_in_logprobs: bool = False
     # Prefill/decode disaggregation (sent by a PD router): (bootstrap_host, port, room).
     bootstrap: tuple[str, int, int] | None = None
+    # Admission: seconds the request may take in all (waiting and running), and its
+    # priority (needs --enable-priority-scheduling unless 0).
+    timeout: float | None = None
+    priority: int | None = None
 
 
 @dataclass
@@ -48,6 +52,8 @@ class TokenizedGenerateReqInput:
     stream: bool = False
     extra_key: str | None = None
     bootstrap: tuple[str, int, int] | None = None
+    timeout: float | None = None  # seconds from arrival in the scheduler to the finish
+    priority: int = 0
 
 
 @dataclass

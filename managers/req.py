@@ -10,7 +10,8 @@ Lifecycle (who moves a request where):
         └──(DecodePlanner retracts: KV cached in the tree, row freed)──┘
 
 Parts: `kv` (a `KVSpan`: its row and which positions the tree owns; only `KVManager` changes
-it), `logprobs` (a `LogprobState`, only when logprobs were asked for), `disagg` (a
+it), `admission` (an `Admission`: priority, time limit, arrival and admission times),
+`logprobs` (a `LogprobState`, only when logprobs were asked for), `disagg` (a
 `DisaggState`, only for a request of a prefill/decode pair), and the sampling state
 (`sampling_params`, `sampling_seed`, `grammar`). The rest is the token history and where the
 request stands in the loop.
@@ -87,6 +88,17 @@ class LogprobState:
 
 
 @dataclass(slots=True)
+class Admission:
+    """When a request may run and for how long: its priority, the client's `timeout`, and the
+    scheduler clock's reading at arrival and at first admission (`Deadlines` sets both)."""
+
+    priority: int = 0
+    timeout: float | None = None  # seconds from arrival to finish, the client's limit
+    arrival: float = 0.0
+    admitted: float | None = None  # first admission to a prefill batch; None while waiting
+
+
+@dataclass(slots=True)
 class DisaggState:
     """A request of a prefill/decode pair: where its peer is, and how far its KV got."""
 
@@ -113,6 +125,8 @@ class Req:
         stream: bool = False,
         extra_key: str | None = None,
         bootstrap: tuple[str, int, int] | None = None,
+        priority: int = 0,
+        timeout: float | None = None,
     ) -> None:
         self.rid = rid
         self.origin_input_ids = origin_input_ids
@@ -126,6 +140,7 @@ class Req:
         self.grammar: BaseGrammarObject | None = None
         # Parts.
         self.kv = KVSpan()
+        self.admission = Admission(priority, timeout)
         self.logprobs = (
             LogprobState(logprob_start_len, top_logprobs_num, input_done=logprob_start_len < 0)
             if return_logprob

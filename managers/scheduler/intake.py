@@ -1,36 +1,54 @@
-"""`Intake`: requests into the scheduler, and aborts.
+"""`Intake`: requests into the scheduler, admission limits, time limits, and aborts.
 
     TokenizedGenerateReqInput ──validate──▶ waiting
                                    ├─(has a grammar)──▶ grammar queue ──(compiled)──▶ waiting
                                    ├─(has bootstrap info)──▶ the disaggregation side
-                                   └─(invalid)──▶ finished with a 400
+                                   ├─(invalid)──▶ finished with a 400
+                                   └─(the queue is full)──▶ finished with a 503
 
-An abort finishes a queued request at once; a request already admitted is marked `to_abort`
-and finished by its next result, so its KV is released where it is known to be unused.
+Queued means not admitted yet: waiting, in the grammar queue, or held by the disaggregation
+side. `--max-queued-requests` and `--max-queued-tokens` (prompt tokens) bound them; a request
+that would pass a bound is refused with a 503 at once (the HTTP layer adds `Retry-After`).
+With priority scheduling, a newcomer more urgent than the least urgent never-admitted waiting
+request takes its place, and that one gets the 503 instead. Bounds apply to arrivals only: a
+retracted request always goes back to the queue.
+
+An abort or an expired deadline (`Deadlines`) finishes a queued request at once; a request
+already admitted is marked `to_abort` and finished by its next result, so its KV is released
+where it is known to be unused.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
+import time
 from typing import TYPE_CHECKING, Any
 
 from constrained.base_grammar_backend import grammar_key
 from managers.errors import RequestError
-from managers.io_struct import AbortReq, TokenizedGenerateReqInput, finish_abort
+from managers.io_struct import AbortReq, FinishReason, TokenizedGenerateReqInput, finish_abort
 from managers.req import Req
 from managers.scheduler.grammar_queue import GrammarQueue
+from managers.scheduler.policy import urgency
 from managers.validation import check_prompt
 
 if TYPE_CHECKING:
     from constrained.base_grammar_backend import BaseGrammarBackend
     from disagg.port import DisaggSide
+    from managers.scheduler.deadlines import Deadlines
     from managers.scheduler.output import Output
     from managers.scheduler.queues import Queues
     from mem_cache.kv_manager import KVManager
     from srt.server_args import ServerArgs
 
+logger = logging.getLogger(__name__)
+
 ABORTED = "Aborted by request."
+OVERLOADED = 503
+# At most one "queue full" warning per this many seconds (a storm refuses thousands).
+REFUSAL_LOG_INTERVAL_S = 10.0
 
 
 class Intake:
@@ -43,6 +61,7 @@ class Intake:
         server_args: ServerArgs,
         model_config: Any,
         grammar_backend: BaseGrammarBackend | None,
+        deadlines: Deadlines,
     ) -> None:
         self.queues = queues
         self.kv = kv
@@ -55,7 +74,16 @@ class Intake:
         self.grammar_queue = GrammarQueue(server_args.grammar_compile_timeout)
         self.seed_rng = random.Random(server_args.random_seed)
         self.disagg = disagg
+        self.deadlines = deadlines
+        self.max_queued_requests = server_args.max_queued_requests
+        self.max_queued_tokens = server_args.max_queued_tokens
+        self.by_priority = None
+        if server_args.enable_priority_scheduling:
+            self.by_priority = urgency(server_args.schedule_low_priority_values_first)
         self.num_aborted_reqs = 0  # cumulative, reported in the server info
+        self.num_refused_reqs = 0  # cumulative: refused because the queue was full
+        self.num_timed_out_reqs = 0  # cumulative
+        self._refusal_logged_at = -REFUSAL_LOG_INTERVAL_S
 
     def __bool__(self) -> bool:
         """Whether requests wait here (for a grammar or a disaggregation peer)."""
@@ -76,11 +104,16 @@ class Intake:
             stream=msg.stream,
             extra_key=msg.extra_key,
             bootstrap=msg.bootstrap if self.disaggregation_mode != "null" else None,
+            priority=msg.priority,
+            timeout=msg.timeout,
         )
         error = self._refusal(req)
         if error is not None:
             self.output.fail(req, error, 400)
             return
+        if not self._make_room(req):
+            return
+        self.deadlines.arrived(req)
         key = grammar_key(params)
         if req.disagg is not None:
             if self.disaggregation_mode == "prefill":
@@ -114,9 +147,89 @@ class Intake:
             return "Constrained decoding needs a tokenizer and a grammar backend."
         return None
 
+    # ---- admission limits ----------------------------------------------------------
+    def num_queued(self) -> int:
+        """Requests not admitted yet: waiting, compiling a grammar, or with the
+        disaggregation side (a side that cannot count its requests counts as one)."""
+        try:
+            on_disagg = len(self.disagg)  # type: ignore[arg-type]
+        except TypeError:
+            on_disagg = int(bool(self.disagg))
+        return len(self.queues.waiting) + len(self.grammar_queue) + on_disagg
+
+    def num_queued_tokens(self) -> int:
+        waiting = self.queues.waiting + [e.req for e in self.grammar_queue.entries]
+        return sum(len(r.origin_input_ids) for r in waiting)
+
+    def _overload(self, req: Req, leaving: Req | None = None) -> str | None:
+        """Why `req` may not queue now (with `leaving` gone from the queue), or None."""
+        if self.max_queued_requests is not None:
+            n = self.num_queued() - (leaving is not None)
+            if n >= self.max_queued_requests:
+                return (
+                    f"The server is overloaded: {n} requests are waiting for admission "
+                    f"(--max-queued-requests {self.max_queued_requests}); retry later."
+                )
+        if self.max_queued_tokens is not None:
+            tokens = self.num_queued_tokens()
+            if leaving is not None:
+                tokens -= len(leaving.origin_input_ids)
+            # A bound on the backlog, not on one prompt: an empty queue takes any request.
+            if tokens > 0 and tokens + len(req.origin_input_ids) > self.max_queued_tokens:
+                return (
+                    f"The server is overloaded: {tokens} prompt tokens are waiting for "
+                    f"admission (--max-queued-tokens {self.max_queued_tokens}); retry later."
+                )
+        return None
+
+    def _make_room(self, req: Req) -> bool:
+        """Whether `req` may queue; when not, it is finished with a 503. A more urgent
+        newcomer displaces the least urgent never-admitted waiting request instead."""
+        reason = self._overload(req)
+        if reason is None:
+            return True
+        victim = self._least_urgent_waiting()
+        if (
+            victim is not None
+            and self.by_priority is not None
+            and self.by_priority(victim) > self.by_priority(req)
+            and self._overload(req, leaving=victim) is None
+        ):
+            self.queues.waiting.remove(victim)
+            self._refuse(
+                victim,
+                "The server is overloaded: a request of higher priority took "
+                "this one's place in the queue; retry later.",
+            )
+            return True
+        self._refuse(req, reason)
+        return False
+
+    def _least_urgent_waiting(self) -> Req | None:
+        if self.by_priority is None:
+            return None
+        key = self.by_priority
+        candidates = [r for r in self.queues.waiting if r.admission.admitted is None]
+        # The least urgent; among equals, the latest arrival.
+        return max(candidates, key=lambda r: (key(r), r.admission.arrival), default=None)
+
+    def _refuse(self, req: Req, reason: str) -> None:
+        self.num_refused_reqs += 1
+        now = time.monotonic()
+        if now - self._refusal_logged_at >= REFUSAL_LOG_INTERVAL_S:
+            self._refusal_logged_at = now
+            logger.warning("%s Refused so far: %d.", reason, self.num_refused_reqs)
+        self.output.fail(req, reason, OVERLOADED)
+
+    # ---- per step ------------------------------------------------------------------
     def poll(self) -> None:
-        """Once per step: let the disaggregation side move its requests on, move requests
-        whose grammar compiled to the waiting queue, and fail the invalid ones."""
+        """Once per step: finish requests past a deadline, let the disaggregation side move
+        its requests on, move requests whose grammar compiled to the waiting queue, and fail
+        the invalid ones."""
+        for req, reason in self.deadlines.expired():
+            self.num_timed_out_reqs += 1
+            logger.info("Request %s: %s", req.rid, reason.message)
+            self._finish(req, reason)
         self.disagg.poll()
         if not self.grammar_queue:
             return
@@ -146,3 +259,21 @@ class Intake:
     def _abort_queued(self, req: Req) -> None:
         self.num_aborted_reqs += 1
         self.output.fail(req, ABORTED)
+
+    def _finish(self, req: Req, reason: FinishReason) -> None:
+        """Finish one request where it is: at once while queued (it holds no KV, or the
+        disaggregation side releases it), at its next result once admitted."""
+
+        def this(r: Req) -> bool:
+            return r is req
+
+        q = self.queues
+        queued = self.disagg.remove_if(this) + self.grammar_queue.remove_if(this)
+        if not queued and req in q.waiting:  # identity: a Req has no __eq__
+            q.waiting.remove(req)
+            queued = [req]
+        if queued:
+            req.finished_reason = reason
+            self.output.emit([req])
+        elif req.to_abort is None and any(r is req for r in q.in_flight()):
+            req.to_abort = reason

@@ -56,6 +56,7 @@ from managers.io_struct import (
 )
 from managers.overlap_worker import OverlapWorker
 from managers.schedule_batch import BatchLaunch, ScheduleBatch
+from managers.scheduler.deadlines import Deadlines
 from managers.scheduler.decode import DecodePlanner
 from managers.scheduler.disagg_port import Port
 from managers.scheduler.intake import Intake
@@ -105,11 +106,21 @@ class Scheduler:
         self.decode = DecodePlanner(
             self.queues, self.kv, self.output, server_args.schedule_conservativeness
         )
-        self.prefill = PrefillPlanner(self.queues, self.kv, self.decode, self.output, server_args)
+        self.deadlines = Deadlines(server_args.waiting_timeout, server_args.running_timeout)
+        self.prefill = PrefillPlanner(
+            self.queues, self.kv, self.decode, self.output, server_args, self.deadlines
+        )
         self.disagg = create_disagg(server_args, Port(self.queues, self.kv, self.output), worker)
         self.output.take_finished = self.disagg.take_finished
         self.intake = Intake(
-            self.queues, self.kv, self.output, self.disagg, server_args, cfg, self.grammar_backend
+            self.queues,
+            self.kv,
+            self.output,
+            self.disagg,
+            server_args,
+            cfg,
+            self.grammar_backend,
+            self.deadlines,
         )
         # The overlap loop: the launched batch whose result is not processed yet.
         self.overlap = not server_args.disable_overlap_schedule

@@ -5,11 +5,17 @@ cached yet but is shared with a request ahead of them in the queue are held back
 round: the request ahead fills the cache, and they hit it next round instead of computing the
 same prefix twice in one batch. Past `LPM_FALLBACK_QUEUE_LEN` waiting requests, matching every
 request costs more than it saves and the order falls back to FCFS.
+
+With `--enable-priority-scheduling` the queue is ordered by `priority` first (higher values
+first, lower with `--schedule-low-priority-values-first`), and by the policy within one
+priority level (a stable sort after the policy's order). Priority decides admission only: a
+running request is never preempted for a more urgent one.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from enum import Enum, auto
 from typing import TYPE_CHECKING
 
@@ -31,8 +37,17 @@ CLIP_MAX_NEW_TOKENS = 4096
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 
 
+def urgency(low_values_first: bool) -> Callable[[Req], int]:
+    """Sort key of priority scheduling: the smaller, the sooner a request is admitted."""
+    if low_values_first:
+        return lambda r: r.admission.priority
+    return lambda r: -r.admission.priority
+
+
 class SchedulePolicy:
-    def __init__(self, policy: str, kv: KVManager) -> None:
+    def __init__(
+        self, policy: str, kv: KVManager, by_priority: Callable[[Req], int] | None = None
+    ) -> None:
         if policy not in SCHEDULE_POLICIES:
             raise ValueError(
                 f"unknown schedule policy {policy!r}; choose one of {SCHEDULE_POLICIES}"
@@ -41,9 +56,15 @@ class SchedulePolicy:
         self.kv = kv
         self.page_size = kv.page_size
         self.held_back: set[str] = set()
+        self.by_priority = by_priority  # None: priorities are not used
 
     def calc_priority(self, waiting_queue: list[Req]) -> None:
         """Match every waiting request against the tree and reorder `waiting_queue` in place."""
+        self._order_by_policy(waiting_queue)
+        if self.by_priority is not None:
+            waiting_queue.sort(key=self.by_priority)  # stable: policy order within a level
+
+    def _order_by_policy(self, waiting_queue: list[Req]) -> None:
         self.held_back = set()
         policy = self.policy
         if policy == "lpm" and len(waiting_queue) > LPM_FALLBACK_QUEUE_LEN:

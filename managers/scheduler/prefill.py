@@ -12,9 +12,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from managers.schedule_batch import ScheduleBatch
-from managers.scheduler.policy import AddResult, PrefillAdder, SchedulePolicy
+from managers.scheduler.policy import AddResult, PrefillAdder, SchedulePolicy, urgency
 
 if TYPE_CHECKING:
+    from managers.scheduler.deadlines import Deadlines
     from managers.scheduler.decode import DecodePlanner
     from managers.scheduler.output import Output
     from managers.scheduler.queues import Queues
@@ -30,12 +31,17 @@ class PrefillPlanner:
         decode: DecodePlanner,
         output: Output,
         server_args: ServerArgs,
+        deadlines: Deadlines,
     ) -> None:
         self.queues = queues
         self.kv = kv
         self.decode = decode
         self.output = output
-        self.policy = SchedulePolicy(server_args.schedule_policy, kv)
+        self.deadlines = deadlines
+        by_priority = None
+        if server_args.enable_priority_scheduling:
+            by_priority = urgency(server_args.schedule_low_priority_values_first)
+        self.policy = SchedulePolicy(server_args.schedule_policy, kv, by_priority)
         self.max_prefill_tokens = server_args.max_prefill_tokens
         self.chunk_size = server_args.chunk_size
         self.mixed_chunk = server_args.enable_mixed_chunk
@@ -65,6 +71,7 @@ class PrefillPlanner:
         for req, prefix_len in zip(reqs, batch.prefix_lens, strict=True):
             if req.cached_tokens is None:
                 req.cached_tokens = prefix_len  # first admission: what the cache saved
+            self.deadlines.admitted(req)
         if self.mixed_chunk and q.running and q.chunked is not None:
             decodes = self.decode.build(decay=False)
             if decodes is not None:
