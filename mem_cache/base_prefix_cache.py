@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from mem_cache.kv_events import KVEventRecorder
 
 
 @dataclass(slots=True)
@@ -27,6 +30,11 @@ class MatchResult:
 class BasePrefixCache(ABC):
     page_size: int
     shares: bool  # False: nothing is ever inserted, a request keeps its slots to the end
+    events: KVEventRecorder | None = None  # set: record stored / removed pages (kv_events.py)
+
+    def record_events(self, recorder: KVEventRecorder) -> None:
+        """From now on, append what the cache stores, evicts and clears to `recorder`."""
+        self.events = recorder
 
     @abstractmethod
     def match_prefix(self, key: list[int], extra_key: str | None = None) -> MatchResult: ...

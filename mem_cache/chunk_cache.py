@@ -47,4 +47,5 @@ class ChunkCache(BasePrefixCache):
         return 0
 
     def reset(self) -> None:
-        pass
+        if self.events is not None:
+            self.events.cleared()

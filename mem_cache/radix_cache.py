@@ -14,6 +14,11 @@ Keys are page-aligned: with page_size > 1 children are keyed by their first page
 and matches stop on page boundaries. Requests with different `extra_key` live in disjoint
 subtrees: the root's children are keyed by `(extra_key, first)` when extra_key is not None.
 Access times come from a per-tree counter, not the wall clock, so tests are deterministic.
+
+KV events (kv_events.py), only while a recorder is attached: a new node records its pages as
+stored, an evicted node its pages as removed, `reset` records all cleared. A node keeps its
+pages' chained digests (32 bytes a page); a split divides them between the two halves and
+records nothing, so every stored page is removed exactly once, by eviction or by a clear.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 
 from mem_cache.base_prefix_cache import BasePrefixCache, MatchResult
 from mem_cache.evict_policy import get_eviction_strategy
+from mem_cache.kv_events import DIGEST_BYTES, namespace_digest, page_digests
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +51,7 @@ class TreeNode:
     last_access_time: int = 0
     hit_count: int = 0
     extra_key: str | None = None
+    digests: bytes | None = None  # chained page digests, kept while KV events are recorded
     id: int = field(default_factory=lambda: next(_node_ids))
 
     def is_leaf(self) -> bool:
@@ -70,6 +77,8 @@ class RadixCache(BasePrefixCache):
         self.root = TreeNode(lock_ref=1)
         self._evictable_size = 0
         self._protected_size = 0
+        if self.events is not None:
+            self.events.cleared()
 
     @property
     def root_node(self) -> TreeNode:
@@ -159,6 +168,9 @@ class RadixCache(BasePrefixCache):
             )
             node.children[self._child_key(node, key, extra_key)] = new
             self._evictable_size += len(key)
+            if self.events is not None:
+                parent = self._digests(node)[-DIGEST_BYTES:] if node is not self.root else None
+                self.events.stored(self._digests(new), parent, new.key, self.page_size)
         return present
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
@@ -177,6 +189,9 @@ class RadixCache(BasePrefixCache):
         parent.children[self._child_key(parent, child.key, child.extra_key)] = upper
         child.key = child.key[n:]
         child.value = child.value[n:].clone()
+        if child.digests is not None:
+            cut = n // self.page_size * DIGEST_BYTES
+            upper.digests, child.digests = child.digests[:cut], child.digests[cut:]
         child.parent = upper
         upper.children[self._child_key(upper, child.key, child.extra_key)] = child
         return upper
@@ -241,9 +256,34 @@ class RadixCache(BasePrefixCache):
             released.append(node.value)
             freed += len(node.key)
             self._evictable_size -= len(node.key)
+            if self.events is not None:
+                self.events.removed(self._digests(node))
             if parent is not self.root and parent.is_leaf() and parent.lock_ref == 0:
                 heapq.heappush(heap, (prio(parent), parent.id, parent))
         return torch.cat(released) if released else _EMPTY.clone()
+
+    # -- KV events ----------------------------------------------------------------------------
+
+    def _digests(self, node: TreeNode) -> bytes:
+        """The node's page digests, chained from its parent's last page (computed on first use:
+        nodes inserted before a recorder was attached have none yet)."""
+        missing: list[TreeNode] = []
+        cur = node
+        while cur is not self.root and cur.digests is None:
+            missing.append(cur)
+            assert cur.parent is not None
+            cur = cur.parent
+        for n in reversed(missing):
+            parent = n.parent
+            assert parent is not None
+            if parent is self.root:
+                prior = namespace_digest(n.extra_key)
+            else:
+                assert parent.digests is not None
+                prior = parent.digests[-DIGEST_BYTES:]
+            n.digests = page_digests(n.key, self.page_size, prior)
+        assert node.digests is not None
+        return node.digests
 
     # -- introspection ------------------------------------------------------------------------
 

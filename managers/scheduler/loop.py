@@ -64,6 +64,7 @@ from managers.scheduler.output import Output
 from managers.scheduler.prefill import PrefillPlanner
 from managers.scheduler.queues import Queues
 from mem_cache.integrity import MemoryLeakError
+from mem_cache.kv_event_publisher import KVEventStream
 from mem_cache.kv_manager import KVManager
 from mem_cache.registry import PREFIX_CACHES
 from srt.server_args import ServerArgs
@@ -87,6 +88,7 @@ class Scheduler:
         self.context_len: int = cfg.context_len
         rows, allocator = worker.get_memory_pool()
         self.kv = KVManager(rows, allocator, _prefix_cache(server_args))
+        self.kv_events = KVEventStream.create(server_args.kv_events_config, self.kv.tree)
         self.queues = Queues()
         self.grammar_backend = create_grammar_backend(
             server_args.grammar_backend,
@@ -168,8 +170,11 @@ class Scheduler:
         return not self.queues.holds_requests() and self.pending is None and not self.intake
 
     def step(self) -> bool:
-        """One iteration of the configured loop; return whether anything ran."""
-        return self.step_overlap() if self.overlap else self.step_normal()
+        """One iteration of the configured loop; return whether anything ran. What the step
+        (and the messages before it) did to the prefix tree goes out as one KV-event batch."""
+        ran = self.step_overlap() if self.overlap else self.step_normal()
+        self.kv_events.publish_step()
+        return ran
 
     def step_normal(self) -> bool:
         """Build, run, process, in sequence."""

@@ -1,0 +1,275 @@
+"""KV-cache events: which pages the prefix tree stores and drops, in the wire format of vLLM's
+and SGLang's `--kv-events-config`, so KV-aware routers (NVIDIA Dynamo, llm-d) can route on
+what each server actually has cached.
+
+    RadixCache ──▶ KVEventRecorder ──take(), once per scheduler step──▶ ZmqEventPublisher
+      insert: the new pages (one record per new node)                   one KVEventBatch per step,
+      evict:  the evicted node's pages                                  encoded and sent on its
+      reset:  all cleared                                               own thread (kv_event_publisher.py)
+
+The tree records only when a recorder is attached (`BasePrefixCache.record_events`); the
+records are compact (a node's page digests and key) and become one event per page when the
+publisher thread encodes them.
+
+Page hashes (SGLang's scheme, so equal token prefixes give equal hashes on both): each full
+page's digest is SHA-256 over the previous page's 32-byte digest (none for a page at the root)
+and the page's token ids as 4-byte little-endian unsigned ints; a page's published hash is the
+first 8 bytes of its digest read as a big-endian signed 64-bit int. `parent_block_hash` is the
+published hash of the page before the first page of an event (None at the root). Requests with
+an `extra_key` (a cache namespace) seed their chain with a digest of it, so equal tokens in
+different namespaces never share a hash. Only full pages are cached, hence announced.
+
+Wire format (msgspec `array_like=True` tagged structs, written here with plain msgpack):
+    KVEventBatch      [ts: float, events: list, data_parallel_rank: int]
+    BlockStored       ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
+                       lora_id, medium]
+    BlockRemoved      ["BlockRemoved", block_hashes, medium]
+    AllBlocksCleared  ["AllBlocksCleared"]
+Decoders of the older, shorter structs ignore the trailing fields (msgspec's array_like rule).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+MEDIUM_GPU = "GPU"  # the primary KV pool (the name consumers map to the device tier)
+DIGEST_BYTES = 32
+
+
+# ---- page hashes -------------------------------------------------------------------------
+def page_digests(tokens: list[int], page_size: int, prior: bytes | None) -> bytes:
+    """The chained SHA-256 digests of `tokens`' full pages, concatenated (32 bytes a page)."""
+    packed = struct.pack(f"<{len(tokens)}I", *tokens)
+    step = 4 * page_size
+    out = bytearray()
+    for start in range(0, len(packed) - step + 1, step):
+        h = hashlib.sha256()
+        if prior is not None:
+            h.update(prior)
+        h.update(packed[start : start + step])
+        prior = h.digest()
+        out += prior
+    return bytes(out)
+
+
+def namespace_digest(extra_key: str | None) -> bytes | None:
+    """The digest a chain at the root starts from: none in the default namespace."""
+    if extra_key is None:
+        return None
+    return hashlib.sha256(b"radixrt-extra-key\x00" + extra_key.encode()).digest()
+
+
+def public_hashes(digests: bytes) -> list[int]:
+    """The published 64-bit hash of each 32-byte digest (its first 8 bytes, signed)."""
+    return [
+        int.from_bytes(digests[i : i + 8], "big", signed=True)
+        for i in range(0, len(digests), DIGEST_BYTES)
+    ]
+
+
+# ---- events, as consumers decode them ----------------------------------------------------
+@dataclass(slots=True)
+class BlockStored:
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = MEDIUM_GPU
+
+    def to_wire(self) -> list[Any]:
+        return [
+            "BlockStored",
+            self.block_hashes,
+            self.parent_block_hash,
+            self.token_ids,
+            self.block_size,
+            self.lora_id,
+            self.medium,
+        ]
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    block_hashes: list[int]
+    medium: str | None = MEDIUM_GPU
+
+    def to_wire(self) -> list[Any]:
+        return ["BlockRemoved", self.block_hashes, self.medium]
+
+
+@dataclass(slots=True)
+class AllBlocksCleared:
+    def to_wire(self) -> list[Any]:
+        return ["AllBlocksCleared"]
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+_EVENT_TYPES: dict[str, type] = {
+    t.__name__: t for t in (BlockStored, BlockRemoved, AllBlocksCleared)
+}
+
+
+@dataclass(slots=True)
+class KVEventBatch:
+    ts: float
+    events: list[KVEvent]
+    data_parallel_rank: int | None = 0
+
+    def encode(self) -> bytes:
+        import msgpack
+
+        wire = [self.ts, [e.to_wire() for e in self.events], self.data_parallel_rank]
+        return msgpack.packb(wire, use_bin_type=True)
+
+    @staticmethod
+    def decode(payload: bytes) -> KVEventBatch:
+        """Read a batch in either array shape (with or without the rank); extra trailing
+        fields of an event are ignored, as msgspec does."""
+        import msgpack
+
+        ts, raw_events, *rest = msgpack.unpackb(payload, raw=False)
+        events: list[KVEvent] = []
+        for tag, *values in raw_events:
+            cls = _EVENT_TYPES.get(tag)
+            if cls is None:
+                raise ValueError(f"unknown KV event tag {tag!r}")
+            events.append(cls(*values[: len(fields(cls))]))
+        return KVEventBatch(ts, events, rest[0] if rest else None)
+
+
+# ---- what the tree records ---------------------------------------------------------------
+@dataclass(slots=True)
+class PagesStored:
+    """A new tree node: its pages' digests, the digest of the page before them (None at the
+    root) and its key (page-aligned; never changed in place by the tree)."""
+
+    digests: bytes
+    parent: bytes | None
+    token_ids: list[int]
+    page_size: int
+
+    def events(self) -> Iterator[BlockStored]:
+        parent = public_hashes(self.parent)[0] if self.parent is not None else None
+        p = self.page_size
+        for i, h in enumerate(public_hashes(self.digests)):
+            yield BlockStored([h], parent, self.token_ids[i * p : (i + 1) * p], p)
+            parent = h
+
+
+@dataclass(slots=True)
+class PagesRemoved:
+    digests: bytes
+
+    def events(self) -> Iterator[BlockRemoved]:
+        for h in public_hashes(self.digests):
+            yield BlockRemoved([h])
+
+
+@dataclass(slots=True)
+class Cleared:
+    def events(self) -> Iterator[AllBlocksCleared]:
+        yield AllBlocksCleared()
+
+
+Record = PagesStored | PagesRemoved | Cleared
+
+
+def expand(records: list[Record]) -> list[KVEvent]:
+    """Records -> events, one per page (SGLang's shape: a BlockStored per stored page)."""
+    return [event for record in records for event in record.events()]
+
+
+@dataclass(slots=True)
+class KVEventRecorder:
+    """Where a prefix cache appends what it stores and drops; taken once per scheduler step."""
+
+    records: list[Record] = field(default_factory=list)
+
+    def stored(
+        self, digests: bytes, parent: bytes | None, token_ids: list[int], page_size: int
+    ) -> None:
+        self.records.append(PagesStored(digests, parent, token_ids, page_size))
+
+    def removed(self, digests: bytes) -> None:
+        self.records.append(PagesRemoved(digests))
+
+    def cleared(self) -> None:
+        self.records.append(Cleared())
+
+    def take(self) -> list[Record]:
+        records, self.records = self.records, []
+        return records
+
+
+# ---- --kv-events-config ------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class KVEventsConfig:
+    """The JSON of `--kv-events-config` (vLLM's and SGLang's keys). Giving a config turns
+    publishing on unless it says `"publisher": "null"` or `"enable_kv_cache_events": false`.
+    An endpoint with `*`, `::`, `0.0.0.0`, `ipc://` or `inproc://` is bound, any other is
+    connected to (the consumer binds); the replay endpoint is always bound."""
+
+    publisher: str = "zmq"  # "zmq" | "null"
+    endpoint: str = "tcp://*:5557"  # PUB: [topic, seq (8 bytes, big-endian), payload]
+    replay_endpoint: str | None = None  # ROUTER: send a start seq, get every batch since
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # PUB high-water mark (ZMQ drops for a subscriber past it)
+    max_queue_size: int = 100_000  # batches waiting for the publisher thread
+    topic: str = ""
+    enable_kv_cache_events: bool = True  # vLLM's switch, accepted for its configs
+
+    @property
+    def enabled(self) -> bool:
+        return self.publisher != "null" and self.enable_kv_cache_events
+
+    @classmethod
+    def from_json(cls, text: str) -> KVEventsConfig:
+        raw = _json_object(text)
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            raise ValueError(
+                f"--kv-events-config: unknown key(s) {', '.join(map(repr, unknown))}; "
+                f"known keys: {', '.join(known)}"
+            )
+        for key, value in raw.items():
+            _check_value(key, value)
+        config = cls(**raw)
+        if config.publisher not in ("zmq", "null"):
+            raise ValueError(
+                f"--kv-events-config: publisher must be 'zmq' or 'null', got {config.publisher!r}"
+            )
+        return config
+
+
+_INT_KEYS = ("buffer_steps", "hwm", "max_queue_size")
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--kv-events-config is not valid JSON: {e}") from None
+    if isinstance(raw, dict):
+        return raw
+    raise ValueError(f"--kv-events-config must be a JSON object, got {text!r}")
+
+
+def _check_value(key: str, value: Any) -> None:
+    if key in _INT_KEYS:
+        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+        expected = "a positive integer"
+    elif key == "enable_kv_cache_events":
+        ok, expected = isinstance(value, bool), "true or false"
+    elif key == "replay_endpoint":
+        ok, expected = value is None or isinstance(value, str), "a string or null"
+    else:
+        ok, expected = isinstance(value, str), "a string"
+    if not ok:
+        raise ValueError(f"--kv-events-config: {key} must be {expected}, got {value!r}")

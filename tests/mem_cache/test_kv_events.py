@@ -1,0 +1,459 @@
+"""KV-cache events: the radix tree's records (stored / removed / cleared, page granularity,
+chained hashes), the wire format, the config, the ZMQ publisher with replay, and one batch per
+scheduler step."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import time
+import uuid
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from mem_cache.kv_event_publisher import END_SEQ, KVEventStream, ZmqEventPublisher
+from mem_cache.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventBatch,
+    KVEventRecorder,
+    KVEventsConfig,
+    expand,
+    page_digests,
+    public_hashes,
+)
+from mem_cache.radix_cache import RadixCache
+from tests.server.server_process import free_port
+
+
+def recording_tree(page_size: int) -> tuple[RadixCache, KVEventRecorder]:
+    tree = RadixCache(page_size)
+    recorder = KVEventRecorder()
+    tree.record_events(recorder)
+    return tree, recorder
+
+
+def insert(tree: RadixCache, tokens: list[int], extra_key: str | None = None) -> int:
+    return tree.insert(tokens, torch.arange(len(tokens)), extra_key)
+
+
+def take(recorder: KVEventRecorder) -> list[KVEvent]:
+    return expand(recorder.take())
+
+
+def hashes_of(events: list[KVEvent]) -> list[int]:
+    return [h for e in events for h in getattr(e, "block_hashes", [])]
+
+
+def sglang_hashes(tokens: list[int], page_size: int) -> list[int]:
+    """SGLang's page hashes, written from its description: sha256 over the previous page's hex
+    digest (as bytes) and the page's ids as 4-byte little-endian, then the first 16 hex digits
+    as a signed int64."""
+    out, prior = [], None
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        h = hashlib.sha256()
+        if prior:
+            h.update(bytes.fromhex(prior))
+        for t in tokens[start : start + page_size]:
+            h.update(t.to_bytes(4, byteorder="little", signed=False))
+        prior = h.hexdigest()
+        value = int(prior[:16], 16)
+        out.append(value - 2**64 if value >= 2**63 else value)
+    return out
+
+
+class LiveSet:
+    """A consumer's view: applies events, failing on a double store or a stray removal."""
+
+    def __init__(self) -> None:
+        self.live: set[int] = set()
+
+    def apply(self, events: list[KVEvent]) -> None:
+        for e in events:
+            if isinstance(e, BlockStored):
+                for h in e.block_hashes:
+                    assert h not in self.live, f"stored twice: {h}"
+                    self.live.add(h)
+            elif isinstance(e, BlockRemoved):
+                for h in e.block_hashes:
+                    assert h in self.live, f"removed but not stored: {h}"
+                    self.live.remove(h)
+            else:
+                self.live.clear()
+
+
+def tree_hashes(tree: RadixCache) -> set[int]:
+    """Every page hash the tree holds, recomputed from scratch along each root path."""
+    out: set[int] = set()
+    stack: list[tuple[object, list[int]]] = [(c, c.key) for c in tree.root.children.values()]
+    while stack:
+        node, path = stack.pop()
+        out.update(public_hashes(page_digests(path, tree.page_size, None)))
+        stack.extend((c, path + c.key) for c in node.children.values())
+    return out
+
+
+# ---- the tree's records ---------------------------------------------------------------------
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_one_block_stored_per_full_page_with_sglang_hashes(page_size: int) -> None:
+    tree, rec = recording_tree(page_size)
+    tokens = list(range(100, 150))  # 50 tokens: 50 pages of 1, or 3 full pages of 16
+    insert(tree, tokens)
+    events = take(rec)
+    assert all(isinstance(e, BlockStored) for e in events)
+    assert len(events) == len(tokens) // page_size
+    assert [e.block_hashes[0] for e in events] == sglang_hashes(tokens, page_size)
+    for i, e in enumerate(events):
+        assert e.token_ids == tokens[i * page_size : (i + 1) * page_size]
+        assert e.block_size == page_size and e.medium == "GPU" and e.lora_id is None
+        assert e.parent_block_hash == (events[i - 1].block_hashes[0] if i else None)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_continuation_chains_to_the_prefix_and_splits_record_nothing(page_size: int) -> None:
+    tree, rec = recording_tree(page_size)
+    prefix = list(range(1, 1 + 2 * page_size))
+    insert(tree, prefix + [7] * page_size)
+    first = take(rec)
+    # Matching the prefix splits the node there; a split stores and removes nothing.
+    assert tree.match_prefix(prefix).prefix_len == len(prefix)
+    assert rec.take() == []
+    insert(tree, prefix + [9] * page_size)
+    [cont] = take(rec)
+    assert isinstance(cont, BlockStored)
+    assert cont.parent_block_hash == first[len(prefix) // page_size - 1].block_hashes[0]
+    assert cont.block_hashes == sglang_hashes(prefix + [9] * page_size, page_size)[-1:]
+    # Already present: nothing recorded.
+    assert insert(tree, prefix + [9] * page_size) == len(prefix) + page_size
+    assert rec.take() == []
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_eviction_removes_exactly_what_was_stored_and_reset_clears(page_size: int) -> None:
+    tree, rec = recording_tree(page_size)
+    live = LiveSet()
+    base = list(range(1, 1 + 3 * page_size))
+    for tail in range(4):
+        insert(tree, base + [50 + tail] * (2 * page_size))
+    tree.match_prefix(base[:page_size])  # a split in the shared part
+    live.apply(take(rec))
+    assert len(live.live) == 3 + 4 * 2
+
+    tree.evict(2 * page_size)  # one leaf
+    removed = take(rec)
+    assert len(removed) == 2 and all(isinstance(e, BlockRemoved) for e in removed)
+    live.apply(removed)
+    assert live.live == tree_hashes(tree)
+
+    tree.evict(10**6)
+    live.apply(take(rec))
+    assert live.live == set() == tree_hashes(tree)
+
+    insert(tree, base)
+    tree.reset()
+    events = take(rec)
+    assert isinstance(events[-1], AllBlocksCleared)
+    live.apply(events)
+    assert live.live == set()
+
+
+def test_namespaces_hash_apart_and_late_recorders_hash_the_same() -> None:
+    tokens = list(range(1, 17))
+    tree, rec = recording_tree(4)
+    insert(tree, tokens)
+    plain = hashes_of(take(rec))
+    insert(tree, tokens, extra_key="tenant-a")
+    salted = hashes_of(take(rec))
+    assert len(plain) == len(salted) == 4 and not set(plain) & set(salted)
+    # A recorder attached after the inserts: digests are computed on demand, to the same values.
+    late = RadixCache(4)
+    insert(late, tokens)
+    insert(late, tokens, extra_key="tenant-a")
+    rec2 = KVEventRecorder()
+    late.record_events(rec2)
+    late.evict(10**6)
+    assert sorted(hashes_of(take(rec2))) == sorted(plain + salted)
+
+
+def test_no_recorder_no_digests() -> None:
+    tree = RadixCache(1)
+    insert(tree, [1, 2, 3])
+    tree.match_prefix([1, 2])
+    assert all(n.digests is None for n in tree._iter_nodes())
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_random_operations_keep_the_consumer_view_exact(page_size: int) -> None:
+    rng = random.Random(page_size)
+    tree, rec = recording_tree(page_size)
+    live = LiveSet()
+    locked = []
+    for _ in range(400):
+        op = rng.random()
+        tokens = [rng.randrange(1, 4) for _ in range(rng.randrange(1, 12 * page_size))]
+        key = rng.choice([None, None, "ns"])
+        if op < 0.45:
+            insert(tree, tokens, key)
+        elif op < 0.65:
+            m = tree.match_prefix(tokens, key)
+            if rng.random() < 0.5:
+                tree.inc_lock_ref(m.last_node)
+                locked.append(m.last_node)
+        elif op < 0.8 and locked:
+            tree.dec_lock_ref(locked.pop(rng.randrange(len(locked))))
+        elif op < 0.98:
+            tree.evict(rng.randrange(1, 6 * page_size))
+        else:
+            tree.reset()
+            locked.clear()
+        live.apply(take(rec))
+        assert len(live.live) * page_size == tree.total_size()
+    assert live.live == tree_hashes(tree)
+
+
+def test_cache_finished_stores_full_pages_only(make_env) -> None:
+    env = make_env(page_size=16, size=256)
+    rec = KVEventRecorder()
+    env.cache.record_events(rec)
+    req = env.admit(list(range(1, 41)))  # 40 tokens: 2 full pages, 8 tokens not cached
+    env.finish(req)
+    events = take(rec)
+    assert len(events) == 2 == 40 // 16
+    env.kv.flush()
+    assert isinstance(take(rec)[-1], AllBlocksCleared)
+
+
+# ---- wire format ------------------------------------------------------------------------------
+def test_wire_format_is_vllm_and_sglang_array_like() -> None:
+    batch = KVEventBatch(
+        12.5,
+        [
+            BlockStored([-5], None, [1, 2], 2),
+            BlockStored([7], -5, [3, 4], 2),
+            BlockRemoved([-5]),
+            AllBlocksCleared(),
+        ],
+    )
+    payload = batch.encode()
+    assert msgpack.unpackb(payload) == [
+        12.5,
+        [
+            ["BlockStored", [-5], None, [1, 2], 2, None, "GPU"],
+            ["BlockStored", [7], -5, [3, 4], 2, None, "GPU"],
+            ["BlockRemoved", [-5], "GPU"],
+            ["AllBlocksCleared"],
+        ],
+        0,
+    ]
+    assert KVEventBatch.decode(payload) == batch
+    # An older producer's shape (no rank, no medium) still reads.
+    old = msgpack.packb([1.0, [["BlockStored", [1], None, [5], 1, None]]])
+    assert KVEventBatch.decode(old) == KVEventBatch(1.0, [BlockStored([1], None, [5], 1)], None)
+
+
+def test_msgspec_consumers_decode_our_batches() -> None:
+    """Byte for byte what SGLang's msgspec structs encode; readable by the older, shorter
+    structs of vLLM's subscriber example."""
+    msgspec = pytest.importorskip("msgspec")
+
+    def structs(omit_defaults: bool, with_medium: bool, rank: str | None):
+        # (defstruct: locally defined classes cannot resolve postponed annotations)
+        opts = {"array_like": True, "omit_defaults": omit_defaults, "gc": False}
+        medium = [("medium", str | None, None)] if with_medium else []
+        stored = msgspec.defstruct(
+            "Stored",
+            [
+                ("block_hashes", list[int]),
+                ("parent_block_hash", int | None),
+                ("token_ids", list[int]),
+                ("block_size", int),
+                ("lora_id", int | None),
+                *medium,
+            ],
+            tag="BlockStored",
+            **opts,
+        )
+        removed = msgspec.defstruct(
+            "Removed", [("block_hashes", list[int]), *medium], tag="BlockRemoved", **opts
+        )
+        cleared = msgspec.defstruct("Cleared", [], tag="AllBlocksCleared", **opts)
+        batch_fields = [("ts", float), ("events", list[stored | removed | cleared])]
+        if rank is not None:
+            batch_fields.append((rank, int | None, None))
+        return msgspec.defstruct("Batch", batch_fields, **opts), stored, removed, cleared
+
+    events = [
+        BlockStored([-3], None, [1, 2], 2),
+        BlockStored([2**62], -3, [3, 4], 2),
+        BlockRemoved([-3]),
+        AllBlocksCleared(),
+    ]
+    ours = KVEventBatch(1.25, events).encode()
+
+    batch, stored, removed, cleared = structs(False, True, "attn_dp_rank")  # SGLang today
+    theirs = batch(
+        1.25,
+        [
+            stored([-3], None, [1, 2], 2, None, "GPU"),
+            stored([2**62], -3, [3, 4], 2, None, "GPU"),
+            removed([-3], "GPU"),
+            cleared(),
+        ],
+        0,
+    )
+    assert msgspec.msgpack.encode(theirs) == ours
+
+    batch, *_ = structs(True, False, None)  # vLLM's first subscriber example, SGLang before
+    got = msgspec.msgpack.Decoder(batch).decode(ours)
+    assert [type(e).__name__ for e in got.events] == ["Stored", "Stored", "Removed", "Cleared"]
+    assert got.events[1].parent_block_hash == -3 and got.events[2].block_hashes == [-3]
+
+
+# ---- config -----------------------------------------------------------------------------------
+def test_config_keys_and_errors() -> None:
+    cfg = KVEventsConfig.from_json(
+        '{"publisher": "zmq", "endpoint": "tcp://*:6000", "replay_endpoint": "tcp://*:6001",'
+        ' "buffer_steps": 5, "hwm": 10, "max_queue_size": 7, "topic": "kv"}'
+    )
+    assert (cfg.endpoint, cfg.replay_endpoint, cfg.buffer_steps, cfg.topic) == (
+        "tcp://*:6000",
+        "tcp://*:6001",
+        5,
+        "kv",
+    )
+    assert cfg.enabled
+    assert not KVEventsConfig.from_json('{"publisher": "null"}').enabled
+    assert not KVEventsConfig.from_json('{"enable_kv_cache_events": false}').enabled
+    with pytest.raises(ValueError, match="unknown key.*'endpont'.*known keys"):
+        KVEventsConfig.from_json('{"endpont": "tcp://*:1"}')
+    with pytest.raises(ValueError, match="publisher must be"):
+        KVEventsConfig.from_json('{"publisher": "kafka"}')
+    with pytest.raises(ValueError, match="buffer_steps must be a positive integer"):
+        KVEventsConfig.from_json('{"buffer_steps": "10"}')
+    with pytest.raises(ValueError, match="not valid JSON"):
+        KVEventsConfig.from_json("{endpoint: 1}")
+    with pytest.raises(ValueError, match="JSON object"):
+        KVEventsConfig.from_json("[]")
+
+
+def test_null_publisher_records_nothing() -> None:
+    tree = RadixCache(1)
+    stream = KVEventStream.create('{"publisher": "null"}', tree)
+    insert(tree, [1, 2])
+    stream.publish_step()
+    assert tree.events is None and stream.publisher is None
+
+
+# ---- publisher --------------------------------------------------------------------------------
+def recv_batch(sock: zmq.Socket, timeout_ms: int = 5000) -> tuple[bytes, int, KVEventBatch]:
+    assert sock.poll(timeout_ms), "no KV-event batch arrived"
+    topic, seq, payload = sock.recv_multipart()
+    return topic, int.from_bytes(seq, "big"), KVEventBatch.decode(payload)
+
+
+def replay(ctx: zmq.Context, endpoint: str, start: int) -> list[tuple[int, KVEventBatch]]:
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(endpoint)
+    try:
+        dealer.send_multipart((b"", start.to_bytes(8, "big")))
+        out = []
+        while True:
+            assert dealer.poll(5000), "replay did not answer"
+            empty, seq, payload = dealer.recv_multipart()
+            assert empty == b""
+            if seq == END_SEQ:
+                assert payload == b""
+                return out
+            out.append((int.from_bytes(seq, "big"), KVEventBatch.decode(payload)))
+    finally:
+        dealer.close(linger=0)
+
+
+def test_publisher_sequence_numbers_and_replay() -> None:
+    port, replay_port = free_port(), free_port()
+    config = KVEventsConfig(
+        endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{replay_port}", topic="kv"
+    )
+    pub = ZmqEventPublisher(config)
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        # PUB drops what it sends before the subscription arrives: publish until one lands.
+        sent = []
+        deadline = time.monotonic() + 10
+        while not sub.poll(50):
+            assert time.monotonic() < deadline, "subscriber never connected"
+            sent.append(pub.publish([], ts=float(len(sent))))
+        topic, first, _ = recv_batch(sub)
+        assert topic == b"kv"
+        for _ in range(5):
+            sent.append(pub.publish([], ts=float(len(sent))))
+        seqs = [first] + [recv_batch(sub)[1] for _ in range(len(sent) - 1 - first)]
+        assert seqs == list(range(first, len(sent))) and sent == list(range(len(sent)))
+
+        got = replay(ctx, f"tcp://127.0.0.1:{replay_port}", 0)
+        assert [s for s, _ in got] == list(range(len(sent)))
+        assert [b.ts for _, b in got] == [float(s) for s in range(len(sent))]
+        k = len(sent) - 3
+        assert [s for s, _ in replay(ctx, f"tcp://127.0.0.1:{replay_port}", k)] == [k, k + 1, k + 2]
+        assert replay(ctx, f"tcp://127.0.0.1:{replay_port}", len(sent) + 10) == []
+    finally:
+        sub.close(linger=0)
+        pub.close()
+
+
+def test_busy_port_is_a_startup_error() -> None:
+    port = free_port()
+    first = ZmqEventPublisher(KVEventsConfig(endpoint=f"tcp://*:{port}"))
+    try:
+        with pytest.raises(RuntimeError, match="cannot open its endpoints"):
+            ZmqEventPublisher(KVEventsConfig(endpoint=f"tcp://*:{port}"))
+    finally:
+        first.close()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_scheduler_publishes_one_batch_per_step(overlap: bool) -> None:
+    from managers.inprocess import InProcessDriver
+    from srt.sampling.sampling_params import SamplingParams
+    from srt.server_args import ServerArgs
+    from tests.managers.scripted_worker import ScriptedWorker
+
+    endpoint = f"inproc://kv-events-{uuid.uuid4().hex}"  # bound by the publisher
+    args = ServerArgs(
+        page_size=4,
+        disable_overlap_schedule=not overlap,
+        kv_events_config=json.dumps({"endpoint": endpoint}),
+    )
+    driver = InProcessDriver(args, worker=ScriptedWorker(512, 8, 4), tokenizer=None)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    time.sleep(0.1)  # inproc subscriptions are near-immediate, but not synchronous
+    try:
+        prompt = list(range(1, 31))  # 30 tokens; with 9 outputs the KV covers 38 = 9 pages + 2
+        driver.generate([prompt], SamplingParams(max_new_tokens=9, temperature=0, ignore_eos=True))
+        live = LiveSet()
+        seqs = []
+        while sub.poll(500):
+            _, seq, batch = recv_batch(sub)
+            seqs.append(seq)
+            live.apply(batch.events)
+        assert seqs == list(range(len(seqs))) and seqs
+        assert len(live.live) == (30 + 9 - 1) // 4
+        assert live.live == tree_hashes(driver.scheduler.kv.tree)
+        assert driver.scheduler.flush_cache()
+        driver.scheduler.step()
+        _, _, batch = recv_batch(sub)
+        assert batch.events == [AllBlocksCleared()]
+    finally:
+        sub.close(linger=0)
+        driver.scheduler.kv_events.close()
