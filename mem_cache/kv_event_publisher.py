@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from mem_cache.kv_events import KVEventBatch, KVEventRecorder, KVEventsConfig, Record, expand
+from mem_cache.kv_events import KVEventRecorder, KVEventsConfig, Record, encode_records
 
 if TYPE_CHECKING:
     from mem_cache.base_prefix_cache import BasePrefixCache
@@ -115,7 +115,7 @@ class ZmqEventPublisher:
                 if item is None:
                     return
                 seq, ts, records = item
-                payload = KVEventBatch(ts, expand(records)).encode()
+                payload = encode_records(records, ts)
                 self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
                 self._buffer.append((seq, payload))
         except Exception:

@@ -66,10 +66,7 @@ def namespace_digest(extra_key: str | None) -> bytes | None:
 
 def public_hashes(digests: bytes) -> list[int]:
     """The published 64-bit hash of each 32-byte digest (its first 8 bytes, signed)."""
-    return [
-        int.from_bytes(digests[i : i + 8], "big", signed=True)
-        for i in range(0, len(digests), DIGEST_BYTES)
-    ]
+    return [h for (h,) in struct.iter_unpack(">q24x", digests)]
 
 
 # ---- events, as consumers decode them ----------------------------------------------------
@@ -134,16 +131,20 @@ class KVEventBatch:
         import msgpack
 
         ts, raw_events, *rest = msgpack.unpackb(payload, raw=False)
-        events: list[KVEvent] = []
-        for tag, *values in raw_events:
-            cls = _EVENT_TYPES.get(tag)
-            if cls is None:
-                raise ValueError(f"unknown KV event tag {tag!r}")
-            events.append(cls(*values[: len(fields(cls))]))
-        return KVEventBatch(ts, events, rest[0] if rest else None)
+        return KVEventBatch(ts, [_from_wire(w) for w in raw_events], rest[0] if rest else None)
+
+
+def _from_wire(wire: list[Any]) -> KVEvent:
+    tag, *values = wire
+    cls = _EVENT_TYPES.get(tag)
+    if cls is None:
+        raise ValueError(f"unknown KV event tag {tag!r}")
+    return cls(*values[: len(fields(cls))])
 
 
 # ---- what the tree records ---------------------------------------------------------------
+# A record becomes its events' wire arrays directly (one per page, SGLang's shape), without
+# building the event objects: the publisher thread encodes many of them while holding the GIL.
 @dataclass(slots=True)
 class PagesStored:
     """A new tree node: its pages' digests, the digest of the page before them (None at the
@@ -154,11 +155,11 @@ class PagesStored:
     token_ids: list[int]
     page_size: int
 
-    def events(self) -> Iterator[BlockStored]:
+    def wire(self) -> Iterator[list[Any]]:
         parent = public_hashes(self.parent)[0] if self.parent is not None else None
-        p = self.page_size
+        p, tokens = self.page_size, self.token_ids
         for i, h in enumerate(public_hashes(self.digests)):
-            yield BlockStored([h], parent, self.token_ids[i * p : (i + 1) * p], p)
+            yield ["BlockStored", [h], parent, tokens[i * p : i * p + p], p, None, MEDIUM_GPU]
             parent = h
 
 
@@ -166,23 +167,31 @@ class PagesStored:
 class PagesRemoved:
     digests: bytes
 
-    def events(self) -> Iterator[BlockRemoved]:
+    def wire(self) -> Iterator[list[Any]]:
         for h in public_hashes(self.digests):
-            yield BlockRemoved([h])
+            yield ["BlockRemoved", [h], MEDIUM_GPU]
 
 
 @dataclass(slots=True)
 class Cleared:
-    def events(self) -> Iterator[AllBlocksCleared]:
-        yield AllBlocksCleared()
+    def wire(self) -> Iterator[list[Any]]:
+        yield ["AllBlocksCleared"]
 
 
 Record = PagesStored | PagesRemoved | Cleared
 
 
+def encode_records(records: list[Record], ts: float, data_parallel_rank: int = 0) -> bytes:
+    """One KVEventBatch payload: the same bytes as `KVEventBatch(ts, expand(records)).encode()`."""
+    import msgpack
+
+    wire = [w for record in records for w in record.wire()]
+    return msgpack.packb([ts, wire, data_parallel_rank], use_bin_type=True)
+
+
 def expand(records: list[Record]) -> list[KVEvent]:
-    """Records -> events, one per page (SGLang's shape: a BlockStored per stored page)."""
-    return [event for record in records for event in record.events()]
+    """Records -> the events a consumer decodes from them."""
+    return [_from_wire(w) for record in records for w in record.wire()]
 
 
 @dataclass(slots=True)
