@@ -2,10 +2,10 @@
 and SGLang's `--kv-events-config`, so KV-aware routers (NVIDIA Dynamo, llm-d) can route on
 what each server actually has cached.
 
-    RadixCache ──▶ KVEventRecorder ──take(), once per scheduler step──▶ ZmqEventPublisher
-      insert: the new pages (one record per new node)                   one KVEventBatch per step,
-      evict:  the evicted node's pages                                  encoded and sent on its
-      reset:  all cleared                                               own thread (kv_event_publisher.py)
+    RadixCache ─────▶ KVEventRecorder ──take(), once a step──▶ ZmqEventPublisher
+      insert: a new node's pages stored                         one KVEventBatch a step,
+      evict:  an evicted node's pages removed                   encoded and sent on its own
+      reset:  all cleared                                       thread (kv_event_publisher.py)
 
 The tree records only when a recorder is attached (`BasePrefixCache.record_events`); the
 records are compact (a node's page digests and key) and become one event per page when the
@@ -19,7 +19,10 @@ published hash of the page before the first page of an event (None at the root).
 an `extra_key` (a cache namespace) seed their chain with a digest of it, so equal tokens in
 different namespaces never share a hash. Only full pages are cached, hence announced.
 
-Wire format (msgspec `array_like=True` tagged structs, written here with plain msgpack):
+Wire format: msgspec `array_like=True` tagged structs (a struct is an array of its fields in
+order, a tagged one starts with its class name), written here with plain msgpack; the same
+bytes SGLang's `srt/disaggregation/kv_events.py` sends, and what vLLM's
+`vllm/distributed/kv_events.py` and Dynamo's ZMQ listener read:
     KVEventBatch      [ts: float, events: list, data_parallel_rank: int]
     BlockStored       ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
                        lora_id, medium]

@@ -24,6 +24,7 @@ from mem_cache.kv_events import (
     KVEventBatch,
     KVEventRecorder,
     KVEventsConfig,
+    encode_records,
     expand,
     page_digests,
     public_hashes,
@@ -252,6 +253,13 @@ def test_wire_format_is_vllm_and_sglang_array_like() -> None:
         0,
     ]
     assert KVEventBatch.decode(payload) == batch
+    # The publisher's path (records straight to bytes) gives the same bytes.
+    tree, rec = recording_tree(2)
+    insert(tree, [1, 2, 3, 4])
+    tree.evict(2)
+    tree.reset()
+    records = rec.take()
+    assert encode_records(records, 3.0) == KVEventBatch(3.0, expand(records)).encode()
     # An older producer's shape (no rank, no medium) still reads.
     old = msgpack.packb([1.0, [["BlockStored", [1], None, [5], 1, None]]])
     assert KVEventBatch.decode(old) == KVEventBatch(1.0, [BlockStored([1], None, [5], 1)], None)
