@@ -241,7 +241,8 @@ class GetInternalStateReqOutput:
 
 @dataclass
 class SchedulerStats:
-    """Sent by the scheduler about twice a second while busy, and when it goes idle."""
+    """Sent by the scheduler about twice a second while busy and once a second while idle:
+    the main process also reads it as the scheduler's heartbeat (/health, the watchdog)."""
 
     num_running_reqs: int
     num_queue_reqs: int
@@ -254,6 +255,10 @@ class SchedulerStats:
     # forwards, and spent in forwards.
     worker_idle_s: float = 0.0
     worker_busy_s: float = 0.0
+    # Load, as SGLang's /get_load reports it: KV slots held by requests (neither free nor
+    # evictable from the prefix tree), and the prompt tokens of the waiting requests.
+    num_used_tokens: int = 0
+    num_queued_tokens: int = 0
 
 
 @dataclass

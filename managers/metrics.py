@@ -1,6 +1,10 @@
-"""Prometheus metrics of one server, with SGLang's names (plus the vLLM-named gauges that
-inference gateways score on). The tokenizer manager feeds them: request timings as outputs
-arrive, and scheduler gauges from the `SchedulerStats` the scheduler sends.
+"""Prometheus metrics of one server, with SGLang's names (plus the vLLM-named gauges and
+prefix-cache counters that inference gateways score on). The tokenizer manager feeds them:
+request timings and token counts as outputs arrive, and scheduler gauges from the
+`SchedulerStats` the scheduler sends.
+
+Counters are exposed with the `_total` suffix (`sglang:cached_tokens_total`,
+`vllm:prefix_cache_hits_total`); token counters move when a request finishes.
 
 Each server gets its own `CollectorRegistry`, so several engines in one process never clash.
 """
@@ -44,6 +48,22 @@ class ServerMetrics:
         self.generation_tokens = counter(
             "sglang:generation_tokens", "Generated tokens of finished requests"
         )
+        self.cached_tokens = counter(
+            "sglang:cached_tokens",
+            "Prompt tokens of finished requests served from the prefix cache",
+        )
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
+        )
+        self.prefix_cache_hits = counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache"
+        )
+        self.num_used_tokens = gauge(
+            "sglang:num_used_tokens", "KV slots held by requests (neither free nor evictable)"
+        )
+        self.num_queued_tokens = gauge(
+            "radixrt:num_queued_tokens", "Prompt tokens of the requests in the waiting queue"
+        )
         self.num_retracted = counter(
             "sglang:num_retracted_requests", "Requests retracted because the KV pool was full"
         )
@@ -80,6 +100,8 @@ class ServerMetrics:
         self.vllm_running.set(stats.num_running_reqs)
         self.vllm_waiting.set(stats.num_queue_reqs)
         self.vllm_kv_usage.set(stats.token_usage)
+        self.num_used_tokens.set(stats.num_used_tokens)
+        self.num_queued_tokens.set(stats.num_queued_tokens)
         idle = stats.worker_idle_s - self._worker_seen[0]
         busy = stats.worker_busy_s - self._worker_seen[1]
         if idle + busy > 0:
@@ -100,10 +122,17 @@ class ServerMetrics:
         for _ in range(num_tokens):
             self.itl.observe(per_token)
 
-    def on_finish(self, e2e: float, prompt_tokens: int, completion_tokens: int) -> None:
+    def on_finish(
+        self, e2e: float, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+    ) -> None:
+        """A request finished: `cached_tokens` of its `prompt_tokens` came from the prefix
+        cache (its `meta_info.cached_tokens`)."""
         self.e2e.observe(e2e)
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
+        self.cached_tokens.inc(cached_tokens)
+        self.prefix_cache_queries.inc(prompt_tokens)
+        self.prefix_cache_hits.inc(cached_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -6,6 +6,10 @@ The scheduler only talks to this interface (`model_config`, `get_memory_pool()`,
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
+
 import torch
 
 from managers.schedule_batch import GenerationBatchResult, ModelWorkerBatch
@@ -14,6 +18,12 @@ from srt.model_executor.forward_batch import ForwardBatch
 from srt.model_executor.model_runner import ModelRunner
 from srt.sampling.sampler import get_token_logprobs, get_top_logprobs
 from srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# Test hook, not a setting: with RADIXRT_TEST_HANG_AT_FORWARD=N the N-th forward (1-based)
+# of this worker never returns, to prove the scheduler's watchdog (tests/server/test_watchdog.py).
+TEST_HANG_AT_FORWARD_ENV = "RADIXRT_TEST_HANG_AT_FORWARD"
 
 
 class ModelWorker:
@@ -28,6 +38,15 @@ class ModelWorker:
         )
         self.model_runner = ModelRunner(self.model_config, server_args)
         self.device = self.model_runner.device
+        self.num_forwards = 0
+        self.hang_at_forward = int(os.environ.get(TEST_HANG_AT_FORWARD_ENV) or 0)
+        if self.hang_at_forward:
+            logger.warning(
+                "Test hook %s=%d: forward %d will hang.",
+                TEST_HANG_AT_FORWARD_ENV,
+                self.hang_at_forward,
+                self.hang_at_forward,
+            )
 
     def get_memory_pool(self):
         return self.model_runner.req_to_token_pool, self.model_runner.allocator
@@ -56,6 +75,10 @@ class ModelWorker:
 
     @torch.inference_mode()
     def forward_batch_generation(self, mwb: ModelWorkerBatch) -> GenerationBatchResult:
+        self.num_forwards += 1
+        if self.num_forwards == self.hang_at_forward:
+            logger.warning("Test hook: forward %d hangs.", self.num_forwards)
+            threading.Event().wait()  # forever
         logits = self.model_runner.forward(self.to_forward_batch(mwb))
         if mwb.forward_mode.is_decode():
             sample_logits = logits  # one logits row per request, in order: no [B, V] gather

@@ -6,14 +6,26 @@
 The loop drains every pending message before each step, so a burst of arrivals joins one
 prefill batch; when the scheduler is idle it blocks on the socket instead of spinning.
 Readiness (or the startup error) goes back to the parent through a pipe.
+
+Liveness: `SchedulerStats` goes out at least every `STATS_INTERVAL_S` while the loop turns
+and every `IDLE_POLL_MS` while it is idle, and the main process reads it as a heartbeat
+(`/health` fails once it stops). A `StepWatchdog` thread ends the process with
+`WATCHDOG_EXIT_CODE` when one iteration (the messages it handles and its scheduler step, a
+forward included) runs past `--watchdog-timeout`: it logs what was running and every
+thread's stack first. The main process then fails the open requests with 503 and exits 1,
+as for any dead child.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
+import sys
+import threading
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -25,12 +37,63 @@ from managers.io_struct import (
 )
 from managers.scheduler import Scheduler
 from srt.server_args import ServerArgs
-from srt.utils.process import PortArgs, become_child, parent_alive, zmq_socket
+from srt.utils.process import (
+    WATCHDOG_EXIT_CODE,
+    PortArgs,
+    become_child,
+    parent_alive,
+    zmq_socket,
+)
 
 logger = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.5
 IDLE_POLL_MS = 1000
+
+
+class StepWatchdog:
+    """A thread that exits the process when one loop iteration runs past `timeout_s`.
+
+    The loop brackets each iteration with `begin` / `end` (two attribute writes); the thread
+    looks every `timeout_s / 4` (at most every second). A hung forward cannot be interrupted
+    from Python, so the only safe way out is the whole process: `os._exit`, after a log
+    line naming what hung (`describe()`) and every thread's stack."""
+
+    def __init__(self, timeout_s: float, describe: Callable[[], str]) -> None:
+        self.timeout_s = timeout_s
+        self.describe = describe
+        self.step_started: float | None = None
+        self.poll_s = min(1.0, timeout_s / 4)
+
+    def start(self) -> None:
+        threading.Thread(target=self.run, name="radixrt-step-watchdog", daemon=True).start()
+
+    def begin(self) -> None:
+        self.step_started = time.monotonic()
+
+    def end(self) -> None:
+        self.step_started = None
+
+    def run(self) -> None:
+        while True:
+            time.sleep(self.poll_s)
+            started = self.step_started
+            if started is not None and time.monotonic() - started > self.timeout_s:
+                self.fire(time.monotonic() - started)
+
+    def fire(self, elapsed: float) -> None:
+        logger.error(
+            "Scheduler watchdog: %s has run %.1f s, past --watchdog-timeout %.1f s; "
+            "dumping every thread's stack and exiting with code %d.",
+            self.describe(),
+            elapsed,
+            self.timeout_s,
+            WATCHDOG_EXIT_CODE,
+        )
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(WATCHDOG_EXIT_CODE)
 
 
 class SchedulerServer:
@@ -57,6 +120,7 @@ class SchedulerServer:
         self.scheduler.raise_on_leak = False
         self.last_stats_time = 0.0
         self.last_stats_tokens = 0
+        self.watchdog = StepWatchdog(server_args.watchdog_timeout, self.describe_step)
 
     def ready_message(self) -> SchedulerReady:
         s = self.scheduler
@@ -71,12 +135,16 @@ class SchedulerServer:
 
     # ---- loop ----------------------------------------------------------------------
     def event_loop(self, parent_pid: int) -> None:
+        self.watchdog.start()
         while True:
-            for msg in self.recv_requests():
+            msgs = self.recv_requests()
+            self.watchdog.begin()
+            for msg in msgs:
                 self.handle(msg)
             ran = self.scheduler.step()
             idle = self.scheduler.is_idle()
             self.maybe_send_stats(force=not ran and idle)
+            self.watchdog.end()
             if not ran:
                 if not parent_alive(parent_pid):
                     logger.error("Parent process is gone; scheduler exits.")
@@ -100,7 +168,19 @@ class SchedulerServer:
         if reply is not None:
             self.send_to_tokenizer.send_pyobj(reply)
 
+    def describe_step(self) -> str:
+        """What the loop was doing, for the watchdog's log line (read while it is stuck)."""
+        s = self.scheduler
+        text = f"a scheduler step ({s.output.forward_ct} forward(s) launched so far"
+        batch = s.queues.last_batch
+        if batch is not None:
+            text += f"; the last a {batch.forward_mode.name} of {len(batch.reqs)} request(s)"
+        return text + f"; {s.queues.num_running()} running, {len(s.queues.waiting)} waiting)"
+
     def maybe_send_stats(self, force: bool) -> None:
+        """Stats at most every `STATS_INTERVAL_S`, and at once when the scheduler goes idle
+        with something new to report. The idle loop wakes every `IDLE_POLL_MS`, so an idle
+        scheduler still sends one a second: the heartbeat."""
         now = time.perf_counter()
         elapsed = now - self.last_stats_time
         if elapsed < STATS_INTERVAL_S and not force:
@@ -113,6 +193,7 @@ class SchedulerServer:
             return  # idle and nothing new since the last report
         s = self.scheduler
         out = s.output
+        waiting = s.queues.waiting
         tokens = out.num_generated_tokens - self.last_stats_tokens
         self.last_stats_time, self.last_stats_tokens = now, out.num_generated_tokens
         self.send_to_tokenizer.send_pyobj(
@@ -126,6 +207,8 @@ class SchedulerServer:
                 max_total_tokens=s.kv.total_tokens,
                 worker_idle_s=out.idle_tracker.idle_s,
                 worker_busy_s=out.idle_tracker.busy_s,
+                num_used_tokens=s.kv.total_tokens - s.kv.available_tokens(),
+                num_queued_tokens=sum(len(r.origin_input_ids) for r in waiting),
             )
         )
 
@@ -141,5 +224,7 @@ def run_scheduler_process(
         raise
     ready.send(("ready", server.ready_message()))
     ready.close()
-    logger.info("Scheduler ready (pid %d).", os.getpid())
+    logger.info(
+        "Scheduler ready (pid %d, watchdog %.0f s).", os.getpid(), server_args.watchdog_timeout
+    )
     server.event_loop(parent_pid)

@@ -66,6 +66,8 @@ CONTROL_TIMEOUT_S = 30.0
 # but tokenizing is CPU work that competes with the scheduler for the same cores.
 TOKENIZE_THREADS = 2
 DRAIN_POLL_S = 0.05
+# The idle scheduler beats once a second: never call it hung after less than this.
+MIN_HEARTBEAT_SILENCE_S = 2.0
 
 
 class TokenizerManager:
@@ -92,6 +94,8 @@ class TokenizerManager:
         self.chat_template = load_chat_template(server_args.chat_template)
         self.metrics = ServerMetrics(served_model_name)
         self.last_stats: SchedulerStats | None = None
+        # When the scheduler was last heard from (its stats are its heartbeat).
+        self.last_heartbeat = time.monotonic()
         self.rid_to_state: dict[str, ReqState] = {}
         self.rids = RidTable()
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, "radixrt-tokenize")
@@ -107,6 +111,7 @@ class TokenizerManager:
         if self.loop is not None:
             raise RuntimeError("a TokenizerManager serves one event loop; this is another one")
         self.loop = loop
+        self.last_heartbeat = time.monotonic()  # nothing was read before this loop ran
         ctx = zmq.asyncio.Context(1)
         self.recv_socket = zmq_socket(ctx, zmq.PULL, self.port_args.tokenizer_ipc, bind=True)
         self.send_to_scheduler = zmq_socket(
@@ -127,6 +132,7 @@ class TokenizerManager:
             self.on_batch_output(msg)
         elif isinstance(msg, SchedulerStats):
             self.last_stats = msg
+            self.last_heartbeat = time.monotonic()
             self.metrics.on_scheduler_stats(msg)
         elif isinstance(msg, (FlushCacheReqOutput, GetInternalStateReqOutput)):
             waiters = self.control_waiters.get(type(msg))
@@ -155,7 +161,10 @@ class TokenizerManager:
             state.apply(out, item.new_text, self.token_text)
             if state.finished:
                 self.metrics.on_finish(
-                    now - state.created_time, out.prompt_tokens, out.completion_tokens
+                    now - state.created_time,
+                    out.prompt_tokens,
+                    out.completion_tokens,
+                    out.cached_tokens,
                 )
                 del self.rid_to_state[out.rid]
             state.notify()
@@ -293,6 +302,40 @@ class TokenizerManager:
             self.handle_task.cancel()
             self.recv_socket.close()
             self.send_to_scheduler.close()
+
+    # ---- liveness and load ---------------------------------------------------------
+    def scheduler_silent_s(self) -> float:
+        """Seconds since the scheduler was last heard from; 0 until this manager's loop runs
+        (nothing reads its messages before that)."""
+        if self.loop is None:
+            return 0.0
+        return time.monotonic() - self.last_heartbeat
+
+    def scheduler_stalled(self) -> str | None:
+        """Why the scheduler counts as hung, or None: silent for longer than one step may
+        take (`--watchdog-timeout`; at least two idle heartbeats)."""
+        limit = max(self.server_args.watchdog_timeout, MIN_HEARTBEAT_SILENCE_S)
+        silent = self.scheduler_silent_s()
+        if silent <= limit:
+            return None
+        return f"the scheduler sent no heartbeat for {silent:.1f} s (limit {limit:.1f} s)"
+
+    def load(self) -> list[dict[str, int]]:
+        """SGLang's /get_load: one entry per data-parallel rank (RadixRT has one), from the
+        latest scheduler stats (at most ~0.5 s old while busy). `num_tokens`, what
+        sglang-router's power-of-two policy compares, is the KV held by requests plus the
+        prompt tokens still waiting."""
+        stats = self.last_stats
+        if stats is None:
+            return [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
+        return [
+            {
+                "dp_rank": 0,
+                "num_reqs": stats.num_running_reqs + stats.num_queue_reqs,
+                "num_waiting_reqs": stats.num_queue_reqs,
+                "num_tokens": stats.num_used_tokens + stats.num_queued_tokens,
+            }
+        ]
 
     # ---- failure -------------------------------------------------------------------
     def check_alive(self) -> None:

@@ -80,9 +80,18 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if tm.dead_reason is not None:
+        """200 while the server can serve: 503 once it shuts down or a child died, and while
+        the scheduler is silent for longer than one step may take (`--watchdog-timeout`)."""
+        tm.ensure_started()  # the scheduler's heartbeats are read from here on
+        if tm.dead_reason is not None or tm.scheduler_stalled() is not None:
             return Response(status_code=503)
         return Response(status_code=200)
+
+    @app.get("/get_load")
+    async def get_load() -> Response:
+        """SGLang's shape, which sglang-router's load monitor (power_of_two) reads."""
+        tm.ensure_started()
+        return json_response(tm.load())
 
     @app.get("/health_generate")
     async def health_generate() -> Response:

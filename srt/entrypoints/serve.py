@@ -3,6 +3,11 @@
 
 SIGTERM drains: new requests get a 503, running ones have `--shutdown-grace-period` seconds
 to finish, the rest fail with a 503 (an error event on a stream), and the process exits 0.
+
+A hung scheduler step ends the scheduler process (its own watchdog, at `--watchdog-timeout`),
+which is a dead child like any other. Should the scheduler be too stuck even for that (a
+call holding the GIL, a stopped process), a thread here kills it once it has sent no
+heartbeat for `HEARTBEAT_KILL_GRACE_S` longer.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -26,6 +32,10 @@ logger = logging.getLogger(__name__)
 
 # A child died: give open connections this long to see their errors, then exit regardless.
 DEATH_EXIT_DEADLINE_S = 8.0
+# The scheduler's own watchdog fires at --watchdog-timeout; this process steps in this much
+# later only if it did not.
+HEARTBEAT_KILL_GRACE_S = 10.0
+HEARTBEAT_CHECK_S = 1.0
 
 
 class DrainingServer(uvicorn.Server):
@@ -113,9 +123,32 @@ def serve(server_args: ServerArgs) -> int:
         timer.start()
 
     engine.on_child_death = on_child_death
+    watch_scheduler_heartbeat(engine, server_args.watchdog_timeout)
     logger.info("Serving %s at %s", engine.tokenizer_manager.served_model_name, server_args.url())
     try:
         server.run()
     finally:
         engine.shutdown()
     return 1 if child_died.is_set() else 0
+
+
+def watch_scheduler_heartbeat(engine: Any, watchdog_timeout: float) -> None:
+    """Kill the scheduler from a thread once it has been silent for `watchdog_timeout +
+    HEARTBEAT_KILL_GRACE_S` seconds; the child watcher then shuts the server down."""
+    tm = engine.tokenizer_manager
+    limit = watchdog_timeout + HEARTBEAT_KILL_GRACE_S
+
+    def run() -> None:
+        while not engine.children.stopping:
+            time.sleep(HEARTBEAT_CHECK_S)
+            silent = tm.scheduler_silent_s()
+            if silent > limit and not engine.children.stopping:
+                reason = (
+                    f"killed by the main process: no heartbeat for {silent:.0f} s, "
+                    f"--watchdog-timeout is {watchdog_timeout:g} s"
+                )
+                logger.error("The scheduler is hung (%s).", reason)
+                engine.children.kill("scheduler", reason)
+                return
+
+    threading.Thread(target=run, name="radixrt-heartbeat-watch", daemon=True).start()

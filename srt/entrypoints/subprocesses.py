@@ -1,10 +1,11 @@
 """Start the scheduler and detokenizer processes, wait for readiness, watch them, stop them.
 
 Children are started with the `spawn` method (a fresh interpreter: no forked torch or
-asyncio state) and as daemons. A watchdog thread waits on their sentinels: a child that dies
-while the server is not stopping is logged by name and takes the others down, and the owner
-is told through a callback. Children also die with the parent (see
-`srt.utils.process.become_child`).
+asyncio state) and as daemons. A watcher thread waits on their sentinels: a child that dies
+while the server is not stopping is logged by name, with why when it exited on purpose (the
+scheduler's step watchdog, see `managers.scheduler_process`) or was killed by `kill`, takes
+the others down, and the owner is told through a callback. Children also die with the
+parent (see `srt.utils.process.become_child`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from managers.detokenizer_manager import run_detokenizer_process
 from managers.io_struct import SchedulerReady
 from managers.scheduler_process import run_scheduler_process
 from srt.server_args import ServerArgs
-from srt.utils.process import PortArgs
+from srt.utils.process import PortArgs, describe_exit
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ class ChildProcesses:
         child_args = dataclasses.replace(server_args, model_path=model_path)
         self.port_args = PortArgs.new()
         self.stopping = False
+        self.kill_reasons: dict[str, str] = {}  # why `kill` ended a child, by role
         ctx = mp.get_context("spawn")
         reader, writer = ctx.Pipe(duplex=False)
         pid = os.getpid()
@@ -99,12 +101,18 @@ class ChildProcesses:
             name = sentinels[done[0]]
             proc = self.procs[name]
             proc.join(0.1)
-            reason = f"{name} process (pid {proc.pid}) exited unexpectedly (code {proc.exitcode})"
+            why = self.kill_reasons.get(name) or describe_exit(proc.exitcode)
+            reason = f"{name} process (pid {proc.pid}) exited unexpectedly ({why})"
             logger.error("%s; shutting down.", reason.capitalize())
             self.stop()
             on_death(reason)
 
-        threading.Thread(target=run, name="radixrt-watchdog", daemon=True).start()
+        threading.Thread(target=run, name="radixrt-child-watcher", daemon=True).start()
+
+    def kill(self, name: str, reason: str) -> None:
+        """Kill one child on purpose; the watcher reports its death with `reason`."""
+        self.kill_reasons[name] = reason
+        self.procs[name].kill()
 
     def stop(self) -> None:
         """Kill every child and reap it. Children ignore SIGTERM (see `become_child`); they

@@ -26,6 +26,11 @@ import zmq
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+# A child that ends itself on purpose exits with one of these codes, so the parent can say why.
+WATCHDOG_EXIT_CODE = 70  # sysexits' EX_SOFTWARE: the scheduler's step watchdog fired
+_EXIT_REASONS = {
+    WATCHDOG_EXIT_CODE: "its watchdog found a scheduler step running past --watchdog-timeout",
+}
 IPC_DIR_PREFIX = "radixrt-"
 _IPC_DIR_NAME = re.compile(rf"{IPC_DIR_PREFIX}(\d+)-\w+")
 
@@ -140,3 +145,15 @@ def become_child(role: str, log_level: str) -> None:
 
 def parent_alive(parent_pid: int) -> bool:
     return os.getppid() == parent_pid
+
+
+def describe_exit(code: int | None) -> str:
+    """`code N` of a child's exit status, with what it means when the child chose it (a
+    negative code is the signal that killed it)."""
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    reason = _EXIT_REASONS.get(code) if code is not None else None
+    return f"code {code}: {reason}" if reason else f"code {code}"

@@ -29,6 +29,11 @@ NAMES = [
     "radixrt:worker_idle_seconds_total",
     "radixrt:worker_busy_seconds_total",
     "radixrt:worker_idle_fraction",
+    "sglang:cached_tokens_total",
+    "sglang:num_used_tokens",
+    "radixrt:num_queued_tokens",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
 ]
 
 
@@ -92,3 +97,28 @@ def test_metrics_names_and_movement(url: str) -> None:
     assert 0 <= after["radixrt:worker_idle_fraction"] < 1
     assert peak["running"] >= 1 and peak["usage"] > 0 and peak["throughput"] > 0
     assert after["vllm:num_requests_running"] == 0 and after["sglang:num_running_reqs"] == 0
+
+
+def test_prefix_cache_counters(url: str) -> None:
+    """Two requests sharing a long prefix, one after the other: the second is served partly
+    from the prefix cache, and the token counters move by exactly what `meta_info` reports."""
+    prefix = f"Shared prefix {time.monotonic_ns()}: " + "the sea was calm and grey. " * 20
+    before = scrape(url)
+    metas = []
+    for tail in ("First question?", "Second question?"):
+        body = {"text": prefix + tail, "sampling_params": {"max_new_tokens": 2}}
+        r = requests.post(url + "/generate", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        metas.append(r.json()["meta_info"])
+    after = scrape(url)
+
+    def moved(name: str) -> float:
+        return after[name] - before[name]
+
+    prompt = sum(m["prompt_tokens"] for m in metas)
+    cached = sum(m["cached_tokens"] for m in metas)
+    assert metas[1]["cached_tokens"] >= 100, metas  # the shared prefix came from the cache
+    assert moved("sglang:cached_tokens_total") == cached
+    assert moved("vllm:prefix_cache_hits_total") == cached
+    assert moved("vllm:prefix_cache_queries_total") == prompt
+    assert moved("sglang:prompt_tokens_total") == prompt

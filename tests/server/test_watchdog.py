@@ -1,0 +1,64 @@
+"""The scheduler's step watchdog, end to end: a forward that never returns (the model worker's
+test hook) makes /health fail, fails the open request with a 503, and ends the server with a
+non-zero status and a log line naming the watchdog, leaving no child process behind."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+
+import pytest
+import requests
+
+from managers.model_worker import TEST_HANG_AT_FORWARD_ENV
+from srt.utils.process import WATCHDOG_EXIT_CODE
+from tests.server.server_process import ServerProcess, alive
+
+WATCHDOG_S = 3.0
+SLACK_S = 30.0  # generous: the machine may be busy; the point is "fails", not "how fast"
+
+
+def health(url: str) -> int | None:
+    try:
+        return requests.get(url + "/health", timeout=5).status_code
+    except requests.RequestException:
+        return None  # the server is already gone: also not healthy
+
+
+def test_hung_forward_fails_health_and_exits_nonzero(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(TEST_HANG_AT_FORWARD_ENV, "1")  # the server inherits the environment
+    log = tmp_path / "server.log"
+    srv = ServerProcess(
+        "--dtype", "float32", "--max-total-tokens", "4096",
+        "--watchdog-timeout", str(WATCHDOG_S),
+        log_path=log,
+    )  # fmt: skip
+    try:
+        children = list(srv.children)
+        assert children, "the server has no child processes"
+        body = {"text": "Hello", "sampling_params": {"max_new_tokens": 4}}
+        with cf.ThreadPoolExecutor(1) as pool:
+            reply = pool.submit(requests.post, srv.url + "/generate", json=body, timeout=120)
+            deadline = time.monotonic() + WATCHDOG_S + SLACK_S
+            while (code := health(srv.url)) == 200 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert code != 200, "/health stayed 200 with a hung forward"
+            r = reply.result()
+        assert r.status_code == 503, r.text
+        assert "watchdog" in r.json()["error"]["message"]
+
+        rc = srv.proc.wait(60)
+        assert rc != 0
+        text = log.read_text()
+        assert "Scheduler watchdog: a scheduler step (" in text, text[-4000:]
+        assert f"exited unexpectedly (code {WATCHDOG_EXIT_CODE}: its watchdog" in text
+        assert "Test hook: forward 1 hangs." in text  # the dumped stack points at the hook
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in children if alive(pid)], "orphaned child processes"
+    finally:
+        still_running = srv.proc.poll() is None
+        srv.stop()  # closes the log; kills the server only if the test failed early
+        if still_running:
+            pytest.fail("the server did not exit")
