@@ -15,8 +15,24 @@ Protocol (one request, "room" = the router's `bootstrap_room`):
     Success: the request joins the running batch    Success
     with its first token; decode continues
 
-A request that fails on either side (timeout, transfer error, peer gone) finishes with an
-abort on that side and frees every slot it held; the other side times out the same way.
+A request that fails on the prefill side (timeout, transfer error) finishes with an abort
+there and answers `KVTransferDone(ok=False)`: the prefill side will not write, so decode frees
+its slots at once.
+
+A request aborted or timed out on the decode side must not free slots the prefill side may
+still write (a late write would land in another request's KV):
+
+    decode server                                   prefill server
+    abort / timeout: slots quarantined              (room registered, prefilling or writing)
+    ── KVCancel(room) ───────────────────────────────▶ drop the room: never start its write, or
+                                                    let a running write finish; abort the
+                                                    request here (its KV cached here as usual)
+    ◀── KVCancelAck(room) ─────────────────────────── (or a KVTransferDone that crossed the cancel)
+    quarantine released: the slots are free again
+
+Decode releases a quarantine without an acknowledgement only after
+`--disaggregation-quarantine-timeout` (a dead peer must not hold the pool forever), with a
+warning.
 """
 
 from __future__ import annotations
@@ -103,6 +119,22 @@ class KVTransferDone:
     error: str = ""
     # loopback backend only: the KV itself, per buffer (K layers, then V layers)
     payload: list[bytes] | None = None
+
+
+@dataclass
+class KVCancel:
+    """Decode -> prefill: the room's request was aborted or timed out on the decode side; do
+    not write its slots (answer `KVCancelAck` once no write can land any more)."""
+
+    room: int
+    reason: str = ""
+
+
+@dataclass
+class KVCancelAck:
+    """Prefill -> decode: nothing will be written into the room's slots any more."""
+
+    room: int
 
 
 def slot_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:

@@ -1,8 +1,9 @@
 """The bootstrap channel: the prefill server binds a ZMQ ROUTER on
 `--disaggregation-bootstrap-port`; each decode server connects one DEALER per prefill server
-it hears of (from the `bootstrap_host/port` a request carries). Decode sends `KVRegister`,
-prefill answers `KVTransferDone` on the same connection. Messages are pickled dataclasses
-from `disagg/base.py`.
+it hears of (from the `bootstrap_host/port` a request carries). Decode sends `KVRegister` (and
+`KVCancel` when it gives a room up), prefill answers `KVTransferDone` (or `KVCancelAck`) on
+the same connection; one connection keeps a room's messages in order. Messages are pickled
+dataclasses from `disagg/base.py`.
 """
 
 from __future__ import annotations

@@ -4,8 +4,14 @@
     are free)──▶ KVRegister sent to the prefill server ──▶ transfer queue ──(KVTransferDone)──▶
     the request joins the running batch with its first token (no prefill here).
 
-Failure or timeout: the request finishes with an abort and its slots are freed without
-entering the radix tree (their KV was never written). Requests without bootstrap info are
+The prefill side reports a failure (`KVTransferDone(ok=False)`): it will not write, so the
+request finishes with an abort and its slots are freed without entering the radix tree.
+
+An abort or a timeout here, once the slots were announced in `KVRegister`: the prefill side
+may still write them, so they go to the KV manager's quarantine (not free, counted as used)
+and the prefill side gets a `KVCancel`. The quarantine ends when the prefill side answers
+(`KVCancelAck`, or a `KVTransferDone` that crossed the cancel) or, unacknowledged, after
+`--disaggregation-quarantine-timeout` with a warning. Requests without bootstrap info are
 served as usual (aggregated).
 """
 
@@ -14,9 +20,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from disagg.base import KVArgs, KVPoll, KVRegister, KVTransferDone
+from disagg.base import KVArgs, KVCancel, KVCancelAck, KVPoll, KVRegister, KVTransferDone
 from disagg.bootstrap import BootstrapClient
 from disagg.port import DisaggSide, SchedulerPort
 from disagg.transfer import create_transfer_backend
@@ -28,22 +35,46 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+@dataclass(slots=True)
+class Quarantined:
+    """Slots of a given-up room, held until its prefill server is done with them."""
+
+    peer: tuple[str, int]  # the prefill server's bootstrap address, for the log
+    num_slots: int
+    deadline: float  # released unacknowledged after this (monotonic seconds)
+
+
 class DecodeDisagg(DisaggSide):
     def __init__(self, args: ServerArgs, port: SchedulerPort, kv: KVArgs) -> None:
         self.port = port
         self.timeout_s = args.disaggregation_timeout
+        self.quarantine_timeout_s = args.disaggregation_quarantine_timeout
         self.transfer = create_transfer_backend(args.disaggregation_transfer_backend, kv, args.host)
         self.peer = self.transfer.peer_info()
         self.layout = kv.layout()
         self.client = BootstrapClient()
         self.prealloc_queue: list[tuple[Req, float]] = []
         self.transfer_queue: dict[int, tuple[Req, list[int], float]] = {}  # by room
+        self.quarantine: dict[int, Quarantined] = {}  # by room; the slots are the KV manager's
 
     def __bool__(self) -> bool:
+        # Quarantined slots belong to no request: the server may go idle while it waits.
         return bool(self.prealloc_queue or self.transfer_queue)
 
     def add(self, req: Req) -> None:
+        assert req.disagg is not None
+        room = req.disagg.room
+        if self._room_in_use(room):
+            # Two requests of one room would share the prefill side's bookkeeping.
+            req.disagg.poll = KVPoll.Failed
+            self.port.finish(req, f"bootstrap room {room} is already in use on this server")
+            return
         self.prealloc_queue.append((req, time.monotonic() + self.timeout_s))
+
+    def _room_in_use(self, room: int) -> bool:
+        if room in self.transfer_queue or room in self.quarantine:
+            return True
+        return any(r.disagg is not None and r.disagg.room == room for r, _ in self.prealloc_queue)
 
     def remove_if(self, pred: Callable[[Req], bool]) -> list[Req]:
         gone = [r for r, _ in self.prealloc_queue if pred(r)]
@@ -51,7 +82,7 @@ class DecodeDisagg(DisaggSide):
         for room, (req, _, _) in list(self.transfer_queue.items()):
             if pred(req):
                 del self.transfer_queue[room]
-                self.port.release(req, cache=False)
+                self._cancel(req, "aborted on the decode server")
                 gone.append(req)
         return gone
 
@@ -63,10 +94,19 @@ class DecodeDisagg(DisaggSide):
             if isinstance(msg, KVTransferDone) and msg.room in self.transfer_queue:
                 req, slots, _ = self.transfer_queue.pop(msg.room)
                 self._on_done(req, slots, msg)
+            elif isinstance(msg, (KVCancelAck, KVTransferDone)) and msg.room in self.quarantine:
+                # The prefill side is done with the room's slots (a done message that crossed
+                # our cancel says so too; its KV is not used).
+                self.port.release_quarantine(msg.room)
+                del self.quarantine[msg.room]
         for room, (req, _, deadline) in list(self.transfer_queue.items()):
             if now > deadline:
                 del self.transfer_queue[room]
-                self._fail(req, "KV transfer from the prefill server timed out")
+                self._cancel(req, "timed out waiting for the KV transfer")
+                assert req.disagg is not None
+                req.disagg.poll = KVPoll.Failed
+                self.port.finish(req, "KV transfer from the prefill server timed out")
+        self._expire_quarantine(now)
 
     def _preallocate(self, now: float) -> None:
         keep = []
@@ -97,8 +137,44 @@ class DecodeDisagg(DisaggSide):
         self.port.admit_running(req, msg.first_token, msg.cached_tokens)
 
     def _fail(self, req: Req, message: str) -> None:
-        """Free a request's preallocated slots without caching them (no valid KV) and fail it."""
+        """The prefill side will not write: free the preallocated slots without caching them
+        (no valid KV) and fail the request."""
         assert req.disagg is not None
         req.disagg.poll = KVPoll.Failed
         self.port.release(req, cache=False)
         self.port.finish(req, message)
+
+    # ---- giving a room up: cancel and quarantine ---------------------------------------
+    def _cancel(self, req: Req, reason: str) -> None:
+        """The request's slots were announced to its prefill server: quarantine them and ask
+        that server to drop the room. Finishing the request is the caller's part."""
+        assert req.disagg is not None
+        host, port, room = req.disagg.bootstrap
+        n = self.port.quarantine(req, room)
+        self.quarantine[room] = Quarantined(
+            (host, port), n, time.monotonic() + self.quarantine_timeout_s
+        )
+        self.client.send(host, port, KVCancel(room, reason))
+        logger.info(
+            "Room %d %s: %d KV slots quarantined until prefill server %s:%d acknowledges.",
+            room,
+            reason,
+            n,
+            host,
+            port,
+        )
+
+    def _expire_quarantine(self, now: float) -> None:
+        for room, q in list(self.quarantine.items()):
+            if now > q.deadline:
+                del self.quarantine[room]
+                self.port.release_quarantine(room)
+                logger.warning(
+                    "KV quarantine of room %d timed out: prefill server %s:%d did not "
+                    "acknowledge the cancel within %.0f s; releasing %d KV slots (a write "
+                    "arriving later would corrupt other requests' KV).",
+                    room,
+                    *q.peer,
+                    self.quarantine_timeout_s,
+                    q.num_slots,
+                )

@@ -4,9 +4,10 @@ The scheduler calls a `DisaggSide` (prefill, decode, or the base class for a pla
 `add` a request that carries bootstrap info, `poll` once per step, `remove_if` on abort,
 `take_finished` when a request finishes (the prefill side keeps it until its KV reached the
 decode server). The side calls back only through a `SchedulerPort`: `preallocate` and
-`release` KV, `finish` a request, `admit_waiting` (prefill: its decode peer registered) and `admit_running`
-(decode: its KV and first token arrived). It never touches the scheduler's queues or KV
-pools itself.
+`release` KV, `quarantine` it (decode: slots a peer may still write) and `release_quarantine`
+it, `finish` or `abort` a request, `admit_waiting` (prefill: its decode peer registered) and
+`admit_running` (decode: its KV and first token arrived). It never touches the scheduler's
+queues or KV pools itself.
 """
 
 from __future__ import annotations
@@ -45,6 +46,20 @@ class SchedulerPort(Protocol):
 
     def finish(self, req: Req, error: str | None = None) -> None:
         """Tell the client the request is done here (an error finishes it with a 500)."""
+        ...
+
+    def abort(self, req: Req, message: str) -> None:
+        """Finish an admitted request with an abort: at once while it waits for prefill, at
+        its next result while a forward has it."""
+        ...
+
+    def quarantine(self, req: Req, key: int) -> int:
+        """Take the request's preallocated slots out of use without freeing them (a peer may
+        still write them) and release its row; return how many slots are held."""
+        ...
+
+    def release_quarantine(self, key: int) -> int:
+        """Free the slots quarantined under `key`; return how many (0 if none)."""
         ...
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from managers.io_struct import finish_abort
+
 if TYPE_CHECKING:
     from managers.req import Req
     from managers.scheduler.output import Output
@@ -53,3 +55,21 @@ class Port:
             self.output.emit([req])
         else:
             self.output.fail(req, error, 500)
+
+    def abort(self, req: Req, message: str) -> None:
+        if req.finished():
+            return
+        waiting = self.queues.waiting
+        for i, queued in enumerate(waiting):
+            if queued is req:  # no KV yet
+                del waiting[i]
+                self.output.fail(req, message)
+                return
+        if req.to_abort is None:
+            req.to_abort = finish_abort(message)  # applied to its next result
+
+    def quarantine(self, req: Req, key: int) -> int:
+        return self.kv.quarantine(key, req.kv)
+
+    def release_quarantine(self, key: int) -> int:
+        return self.kv.release_quarantine(key)

@@ -91,15 +91,22 @@ def test_disaggregated_equals_aggregated(reference, backend: str, overlap: bool)
 
 
 def test_missing_prefill_times_out_and_frees(reference) -> None:
-    """No prefill server answers: the decode side gives up after the timeout, frees the
-    pre-allocated slots, and then serves ordinary (aggregated) requests."""
-    _, decode, port = pair("loopback", disaggregation_timeout=1.0)
+    """No prefill server answers: the decode side gives up after the timeout, quarantines the
+    pre-allocated slots until the quarantine bound (nobody acknowledges), frees them, and then
+    serves ordinary (aggregated) requests."""
+    _, decode, port = pair(
+        "loopback", disaggregation_timeout=1.0, disaggregation_quarantine_timeout=1.0
+    )
     tic = time.monotonic()
     outs = run_pair(None, decode, port, TEXTS[:2], send_to_prefill=False)
-    assert time.monotonic() - tic < 10
     for o in outs:
         reason = o["meta_info"]["finish_reason"]
         assert reason["type"] == "abort" and "timed out" in reason["message"]
+    assert decode.scheduler.kv.quarantined_tokens() > 0
+    decode.scheduler.check_memory()
+    while decode.scheduler.kv.quarantined:
+        decode.step()
+    assert time.monotonic() - tic < 10
     decode.scheduler.check_memory()
     assert decode.scheduler.kv.token_usage() == 0
     assert decode.generate(TEXTS[:1], PARAMS)[0]["output_ids"] == reference[0]
@@ -115,13 +122,21 @@ def test_prefill_without_decode_times_out() -> None:
 
 
 def test_abort_while_waiting_for_kv_frees_slots() -> None:
-    _, decode, port = pair("loopback", disaggregation_timeout=30.0)
+    """The slots were announced to the prefill server: they stay quarantined until it
+    acknowledges the cancel, then are free (tests/disagg/test_pd_cancel.py has the races)."""
+    prefill, decode, port = pair("loopback", disaggregation_timeout=30.0)
     [rid] = decode.submit(None, dict(PARAMS), text=TEXTS[3], bootstrap=("127.0.0.1", port, 42))
     decode.step()
     assert decode.scheduler.disagg.transfer_queue  # slots held, waiting for the prefill side
     decode.abort(rid)
     decode.run_until_idle()
     assert decode.result(rid)["meta_info"]["finish_reason"]["type"] == "abort"
+    assert decode.scheduler.kv.quarantined_tokens() > 0
+    decode.scheduler.check_memory()
+    deadline = time.monotonic() + 10
+    while decode.scheduler.kv.quarantined and time.monotonic() < deadline:
+        prefill.step()
+        decode.step()
     decode.scheduler.check_memory()
     assert decode.scheduler.kv.allocator.available_size() == decode.scheduler.kv.total_tokens
 
