@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from constrained.base_grammar_backend import DEFAULT_CACHE_SIZE, BaseGrammarBackend, GrammarCache
+from constrained.base_grammar_backend import (
+    DEFAULT_CACHE_SIZE,
+    DEFAULT_COMPILE_THREADS,
+    BaseGrammarBackend,
+)
+from constrained.limits import GrammarLimits
 from srt.utils.registry import Registry
 
 
@@ -25,12 +30,15 @@ def create_grammar_backend(
     vocab_size: int,
     eos_token_ids: list[int],
     cache_size: int = DEFAULT_CACHE_SIZE,
+    compile_threads: int = DEFAULT_COMPILE_THREADS,
+    limits: GrammarLimits | None = None,
 ) -> BaseGrammarBackend | None:
-    """The backend `name`, keeping at most `cache_size` compiled grammars."""
+    """The backend `name`, keeping at most `cache_size` compiled grammars, compiling on
+    `compile_threads` threads and refusing constraints over `limits`."""
     # Without a tokenizer (--skip-tokenizer-init) there is no vocabulary to compile against.
     if tokenizer is None:
         return None
     backend = GRAMMAR_BACKENDS.create(name, tokenizer, vocab_size, eos_token_ids)
-    if backend is not None:  # the constructors take what the compiler needs; the cache is ours
-        backend.cache = GrammarCache(cache_size)
+    if backend is not None:  # the constructors take what the compiler needs; the rest is ours
+        backend.configure(compile_threads, cache_size, limits)
     return backend

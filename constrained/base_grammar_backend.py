@@ -16,6 +16,17 @@ automaton plus a token-mask cache over the vocabulary (from tens of kilobytes to
 growing with the vocabulary and the schema), so an unbounded cache lets clients with unique schemas exhaust the scheduler's
 memory. Evicting only drops the cache's reference: a request in the grammar queue holds its
 future, and a matcher holds its compiled grammar, so neither notices.
+
+Threads: compiles run on `--grammar-compile-threads` threads (xgrammar releases the GIL while
+it compiles, so they run in parallel). Only the scheduler's thread calls `compile_async` and
+touches the cache; the compile threads only run `compile`, so the cache needs no lock, and
+a key's future is shared by every request that asks for it while it is cached (in flight or
+done). Before anything is submitted the constraint is held to the caps of
+`constrained/limits.py`; one over them gets a future that already failed. With two or more
+threads, one takes only small grammars (`is_small`): those compile in milliseconds, so a
+flood of big schemas, each of which may take seconds, never delays a regex or a small tool
+schema. A compile that started cannot be stopped; one that has not started is cancelled when
+no request waits for it any more (`GrammarQueue`), and a cancelled future is a cache miss.
 """
 
 from __future__ import annotations
@@ -28,10 +39,17 @@ from typing import Any, NamedTuple
 
 import torch
 
+from constrained.limits import GrammarLimitError, GrammarLimits, GrammarSize, check_grammar_limits
+
 logger = logging.getLogger(__name__)
 
 KINDS = ("json_schema", "regex", "ebnf")
 DEFAULT_CACHE_SIZE = 64
+DEFAULT_COMPILE_THREADS = 4
+# Grammars this small compiled in at most ~20 ms (a schema of 100 optional properties, the
+# most expensive shape measured), so they may share one thread however many arrive.
+SMALL_GRAMMAR_BYTES = 4096
+SMALL_GRAMMAR_PROPERTIES = 64
 
 
 class GrammarKey(NamedTuple):
@@ -80,16 +98,56 @@ class GrammarCache(OrderedDict[GrammarKey, "Future[Any]"]):
 
 
 class BaseGrammarBackend(ABC):
-    def __init__(self, max_workers: int = 1, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
-        self.executor = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
+    def __init__(
+        self,
+        compile_threads: int = DEFAULT_COMPILE_THREADS,
+        cache_size: int = DEFAULT_CACHE_SIZE,
+        limits: GrammarLimits | None = None,
+    ) -> None:
+        self._setup(compile_threads, cache_size, limits)
+
+    def configure(
+        self,
+        compile_threads: int = DEFAULT_COMPILE_THREADS,
+        cache_size: int = DEFAULT_CACHE_SIZE,
+        limits: GrammarLimits | None = None,
+    ) -> None:
+        """The server's settings (a backend's constructor takes only what its compiler
+        needs); call it before the first compile."""
+        self.shutdown()
+        self._setup(compile_threads, cache_size, limits)
+
+    def _setup(self, threads: int, cache_size: int, limits: GrammarLimits | None) -> None:
+        threads = max(1, threads)
+        self.executor = ThreadPoolExecutor(
+            max(1, threads - 1), thread_name_prefix="grammar-compile"
+        )
+        self.small_executor = self.executor
+        if threads > 1:
+            self.small_executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile-small")
         self.cache = GrammarCache(cache_size)
+        self.limits = limits or GrammarLimits()
+
+    def shutdown(self) -> None:
+        """Stop taking compiles; queued ones are dropped, running ones finish in the background."""
+        for executor in {self.executor, self.small_executor}:
+            executor.shutdown(wait=False, cancel_futures=True)
 
     def compile_async(self, key: GrammarKey) -> Future[Any]:
-        """A future of the compiled grammar (it raises `GrammarError` if invalid)."""
+        """A future of the compiled grammar. It raises `GrammarError` if the grammar is
+        invalid and `GrammarLimitError` (at once, without compiling) if it is over a cap."""
         future = self.cache.hit(key)
-        if future is None:
-            future = self.executor.submit(self.compile, key)
-            self.cache.add(key, future)
+        if future is not None and not future.cancelled():
+            return future
+        try:
+            size = check_grammar_limits(key.kind, key.spec, self.limits)
+        except GrammarLimitError as e:
+            refused: Future[Any] = Future()
+            refused.set_exception(e)
+            return refused
+        executor = self.small_executor if is_small(size) else self.executor
+        future = executor.submit(self.compile, key)
+        self.cache.add(key, future)
         return future
 
     @abstractmethod
@@ -119,6 +177,10 @@ class VocabMask:
 
     def apply(self, logits: torch.Tensor) -> None:
         self.backend.apply_mask(logits, self.mask.to(logits.device), self.rows)
+
+
+def is_small(size: GrammarSize) -> bool:
+    return size.bytes <= SMALL_GRAMMAR_BYTES and size.properties <= SMALL_GRAMMAR_PROPERTIES
 
 
 def grammar_key(params: Any) -> GrammarKey | None:

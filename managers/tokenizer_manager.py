@@ -51,7 +51,7 @@ from managers.io_struct import (
 from managers.metrics import ServerMetrics
 from managers.parallel_sampling import RidTable, make_requests, prefill_rid
 from managers.req_state import ReqState
-from managers.validation import load_chat_template, prepare_prompt
+from managers.validation import grammar_limits, load_chat_template, prepare_prompt
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 from srt.utils.process import PortArgs, zmq_socket
@@ -260,7 +260,12 @@ class TokenizerManager:
     def tokenize_and_validate(self, obj: GenerateReqInput) -> tuple[list[int], SamplingParams]:
         """Runs on `tokenize_pool`: it only reads the manager."""
         return prepare_prompt(
-            obj, self.tokenizer, self.context_len, self.vocab_size, self.server_args.max_batch_size
+            obj,
+            self.tokenizer,
+            self.context_len,
+            self.vocab_size,
+            self.server_args.max_batch_size,
+            grammar_limits(self.server_args),
         )
 
     # ---- control -------------------------------------------------------------------

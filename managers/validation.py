@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from constrained.limits import GrammarLimitError, GrammarLimits, check_grammar_limits
 from managers.errors import RequestError
 from managers.io_struct import GenerateReqInput
 from srt.sampling.sampling_params import InvalidSamplingParam, SamplingParams
@@ -42,6 +43,23 @@ def check_sampling_params(params: SamplingParams, vocab_size: int) -> SamplingPa
     except InvalidSamplingParam as e:
         raise RequestError(str(e), param=e.param) from None
     return params
+
+
+def grammar_limits(server_args: Any) -> GrammarLimits:
+    """`--grammar-max-schema-bytes`, `--grammar-max-depth` and `--grammar-max-properties`."""
+    return GrammarLimits.from_server_args(server_args)
+
+
+def check_grammar(params: SamplingParams, limits: GrammarLimits) -> None:
+    """The grammar caps (`constrained/limits.py`), here so that a client gets its 400 before
+    the request reaches the scheduler; the scheduler applies them again before compiling."""
+    for field in ("json_schema", "regex", "ebnf"):
+        spec = getattr(params, field)
+        if isinstance(spec, str):
+            try:
+                check_grammar_limits(field, spec, limits)
+            except GrammarLimitError as e:
+                raise RequestError(e.message, param=e.field) from None
 
 
 def parse_sampling_params(raw: Any, vocab_size: int) -> SamplingParams:
@@ -96,7 +114,12 @@ def check_batch_size(num_prompts: int, num_sequences: int, limit: int, prompt_fi
 
 
 def prepare_prompt(
-    obj: GenerateReqInput, tokenizer: Any, context_len: int, vocab_size: int, max_batch_size: int
+    obj: GenerateReqInput,
+    tokenizer: Any,
+    context_len: int,
+    vocab_size: int,
+    max_batch_size: int,
+    grammar_limits: GrammarLimits | None = None,
 ) -> tuple[list[int], SamplingParams]:
     """One prompt of a native request: its token ids and checked sampling parameters."""
     if (obj.text is None) == (obj.input_ids is None):
@@ -115,6 +138,8 @@ def prepare_prompt(
             raise RequestError("`input_ids` must be a list of integers.", param="input_ids")
     check_prompt(input_ids, context_len, vocab_size)
     params = parse_sampling_params(obj.sampling_params, vocab_size)
+    if grammar_limits is not None:
+        check_grammar(params, grammar_limits)
     check_batch_size(1, params.n, max_batch_size, "n")
     fit_max_new_tokens(len(input_ids), params, context_len)
     if obj.return_logprob:

@@ -162,6 +162,9 @@ class ServerArgs:
     grammar_max_depth: int = _opt(
         20, "deepest nesting of a JSON schema (objects, arrays, combinators); deeper gets a 400"
     )
+    grammar_max_properties: int = _opt(
+        1000, "most object properties in a JSON schema (they drive its compile time); more: a 400"
+    )
     # Backends
     attention_backend: str = _opt(
         "auto",

@@ -1,7 +1,12 @@
 """Requests whose grammar is still compiling. Compiles run on the grammar backend's thread;
 the scheduler polls this queue once per step and moves requests on when their grammar is
-ready (or finishes them with a 400 when it is invalid or too slow), so other requests keep
-running meanwhile."""
+ready (or finishes them with a 400 when it is invalid, over a cap or too slow), so other
+requests keep running meanwhile.
+
+A request that leaves before its grammar is ready (timed out or aborted) cancels the compile
+if no other request waits for it and it has not started; one that started runs to its end on
+its thread (the compiler cannot be interrupted) and its result stays cached for the next
+request with the same grammar."""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from constrained.base_grammar_backend import GrammarError
+from constrained.limits import GrammarLimitError
 from managers.io_struct import finish_abort
 from managers.req import Req
 
@@ -45,9 +51,18 @@ class GrammarQueue:
         self.entries.append(_Entry(req, future, time.monotonic() + self.timeout_s))
 
     def remove_if(self, pred: Callable[[Req], bool]) -> list[Req]:
-        gone = [e.req for e in self.entries if pred(e.req)]
+        gone = [e for e in self.entries if pred(e.req)]
         self.entries = [e for e in self.entries if not pred(e.req)]
-        return gone
+        self._cancel_unwanted(gone)
+        return [e.req for e in gone]
+
+    def _cancel_unwanted(self, gone: list[_Entry]) -> None:
+        """Cancel the compiles of `gone` that no remaining request waits for (a no-op for
+        one that already runs: the compiler cannot be interrupted)."""
+        wanted = {id(e.future) for e in self.entries}
+        for e in gone:
+            if id(e.future) not in wanted:
+                e.future.cancel()
 
     def pop_done(
         self, new_matcher: Callable[[Any], Any], block: bool
@@ -60,11 +75,15 @@ class GrammarQueue:
         ready: list[Req] = []
         failed: list[Req] = []
         keep: list[_Entry] = []
+        expired: list[_Entry] = []
         for e in self.entries:
             if e.future.done():
                 try:
                     e.req.grammar = new_matcher(e.future.result())
                     ready.append(e.req)
+                except GrammarLimitError as err:  # refused before compiling; names the field
+                    e.req.finished_reason = finish_abort(err.message, 400)
+                    failed.append(e.req)
                 except GrammarError as err:
                     e.req.finished_reason = finish_abort(_message("Invalid grammar", err), 400)
                     failed.append(e.req)
@@ -77,9 +96,11 @@ class GrammarQueue:
                     f"Grammar compilation did not finish within {self.timeout_s:g} s.", 400
                 )
                 failed.append(e.req)
+                expired.append(e)
             else:
                 keep.append(e)
         self.entries = keep
+        self._cancel_unwanted(expired)
         return ready, failed
 
 

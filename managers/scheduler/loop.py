@@ -42,6 +42,7 @@ from typing import Any
 from torch.profiler import record_function
 
 from constrained import create_grammar_backend
+from constrained.limits import GrammarLimits
 from disagg.port import create_disagg
 from managers.io_struct import (
     AbortReq,
@@ -96,6 +97,8 @@ class Scheduler:
             self.vocab_size,
             self.eos_token_ids,
             cache_size=server_args.grammar_cache_size,
+            compile_threads=server_args.grammar_compile_threads,
+            limits=GrammarLimits.from_server_args(server_args),
         )
         self.output = Output(
             self.queues,

@@ -100,6 +100,14 @@ def apply_response_format(fmt: ResponseFormat | None, params: dict[str, Any]) ->
     )
 
 
+def name_response_format(err: RequestError) -> RequestError:
+    """A refusal of the grammar names the field the client sent: on these routes the
+    `json_schema` sampling parameter comes from `response_format`."""
+    if err.param == "json_schema":
+        err.param = "response_format"
+    return err
+
+
 def sampling_params(req: SamplingRequest, max_new_tokens: int | None) -> dict[str, Any]:
     """SGLang-native sampling params; unset optional fields keep the server defaults."""
     params: dict[str, Any] = {
@@ -205,9 +213,13 @@ async def collect_final(
 ) -> dict[tuple[int, int], dict[str, Any]]:
     """Non-streaming: the final output of every (prompt index, sample index)."""
     finals: dict[tuple[int, int], dict[str, Any]] = {}
-    async with contextlib.aclosing(merge_outputs(gens)) as outputs:
-        async for i, out in outputs:
-            finals[(i, out.get("index", 0))] = out
+    try:
+        async with contextlib.aclosing(merge_outputs(gens)) as outputs:
+            async for i, out in outputs:
+                finals[(i, out.get("index", 0))] = out
+    except RequestError as err:
+        name_response_format(err)
+        raise
     if len(finals) != len(gens) * n:
         raise RequestError(f"expected {len(gens) * n} outputs, got {len(finals)}", None, 500)
     return finals
@@ -225,6 +237,7 @@ async def _sse(chunks: AsyncGenerator[Any, None]) -> AsyncGenerator[bytes, None]
                 started = True
                 yield sse_event(chunk)
         except RequestError as err:
+            name_response_format(err)
             if not started:
                 raise
             yield sse_error_event(err.message, err.status_code, err.param)
