@@ -203,6 +203,10 @@ class ServerArgs:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size <= 0:
             self.chunked_prefill_size = -1
+        if self.kv_events_config is not None:
+            # A bad config fails here, at once, not after the model has loaded. (Only this
+            # path imports the KV-events module: see the module docstring.)
+            import_target("mem_cache.kv_events:KVEventsConfig").from_json(self.kv_events_config)
 
     @property
     def chunk_size(self) -> int | None:
@@ -267,4 +271,7 @@ def _base_type(hint: Any) -> type:
 def prepare_server_args(argv: list[str]) -> ServerArgs:
     parser = argparse.ArgumentParser(prog="launch_server", description="RadixRT server")
     ServerArgs.add_cli_args(parser)
-    return ServerArgs.from_cli_args(parser.parse_args(argv))
+    try:
+        return ServerArgs.from_cli_args(parser.parse_args(argv))
+    except ValueError as e:  # a value the type allows but the server cannot use
+        parser.error(str(e))

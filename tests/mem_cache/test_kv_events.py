@@ -465,3 +465,14 @@ def test_scheduler_publishes_one_batch_per_step(overlap: bool) -> None:
     finally:
         sub.close(linger=0)
         driver.scheduler.kv_events.close()
+
+
+def test_bad_config_stops_the_command_line_before_the_model_loads(capsys) -> None:
+    from srt.server_args import prepare_server_args
+
+    with pytest.raises(SystemExit) as exc:
+        prepare_server_args(["--kv-events-config", '{"endpoint": "tcp://*:1", "bogus": 1}'])
+    assert exc.value.code == 2
+    assert "unknown key(s) 'bogus'" in capsys.readouterr().err
+    ok = prepare_server_args(["--kv-events-config", '{"publisher": "null"}'])
+    assert ok.kv_events_config == '{"publisher": "null"}'
