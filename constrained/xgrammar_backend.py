@@ -39,7 +39,10 @@ class XGrammarBackend(BaseGrammarBackend):
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids)
         )
         self.vocab_size = vocab_size
-        # Our LRU (`GrammarCache`) is the one cache: xgrammar's own is unbounded.
+        # Our LRU (`GrammarCache`) is the one cache: xgrammar's own is unbounded. The compile
+        # threads share this compiler (with its cache off it keeps no state between compiles;
+        # vLLM shares one the same way); `max_threads=1` is its parallelism within one compile,
+        # ours is across compiles, and xgrammar releases the GIL while it compiles.
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
     def compile(self, key: GrammarKey) -> xgr.CompiledGrammar:

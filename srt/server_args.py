@@ -154,7 +154,7 @@ class ServerArgs:
         60.0, "seconds a request waits for its grammar to compile before it fails"
     )
     grammar_compile_threads: int = _opt(
-        4, "grammars compiled at once, so that one slow compile cannot delay the others"
+        4, "grammars compiled at once; from 2 on, one thread takes only small grammars"
     )
     grammar_max_schema_bytes: int = _opt(
         65536, "largest JSON schema, regex or EBNF grammar in bytes; larger ones get a 400"
