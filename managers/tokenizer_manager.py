@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections import deque
@@ -185,6 +186,8 @@ class TokenizerManager:
         `RequestError`.
         """
         self.check_alive()
+        check_admission_fields(obj, self.server_args)
+        self.check_capacity()
         self.ensure_started()
         loop = asyncio.get_running_loop()
         input_ids, params = await loop.run_in_executor(
@@ -202,6 +205,8 @@ class TokenizerManager:
             top_logprobs_num=obj.top_logprobs_num if obj.return_logprob else 0,
             stream=obj.stream,
             bootstrap=obj.bootstrap,
+            timeout=obj.timeout,
+            priority=obj.priority or 0,
         )
         samples = msgs if params.n == 1 else msgs[1:]
         ready: asyncio.Queue[ReqState] = asyncio.Queue()
@@ -249,9 +254,12 @@ class TokenizerManager:
             if state.finished:
                 pending -= 1
                 reason = state.finish_reason
-                # Refused before anything was sent (bad input, invalid grammar): an error,
-                # so HTTP answers 4xx instead of starting a stream.
+                # Refused before anything was sent (bad input, invalid grammar, a full queue,
+                # timed out waiting): an error, so HTTP answers 4xx / 503 instead of
+                # starting a stream.
                 if reason is not None and reason.is_abort and reason.status_code and not sent:
+                    if reason.status_code == 503:
+                        raise RequestError.overloaded(reason.message or "")
                     raise RequestError(reason.message or "", status_code=reason.status_code)
             if stream or state.finished:
                 sent = True
@@ -267,6 +275,20 @@ class TokenizerManager:
             self.server_args.max_batch_size,
             grammar_limits(self.server_args),
         )
+
+    def check_capacity(self) -> None:
+        """A 503 at once, before tokenizing, when the queue is surely full: more requests are
+        unfinished here than can run plus `--max-queued-requests`. The scheduler's count is
+        exact and refuses the rest; this only spares a refused client a scheduler step."""
+        bound = self.server_args.max_queued_requests
+        if bound is None:
+            return
+        queued = len(self.rid_to_state) - self.max_running_requests
+        if queued >= bound:
+            raise RequestError.overloaded(
+                f"The server is overloaded: {queued} requests are waiting for admission "
+                f"(--max-queued-requests {bound}); retry later."
+            )
 
     # ---- control -------------------------------------------------------------------
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
@@ -378,3 +400,25 @@ class TokenizerManager:
 
 def shutting_down(reason: str) -> str:
     return f"The server is shutting down: {reason}"
+
+
+def check_admission_fields(obj: GenerateReqInput, server_args: ServerArgs) -> None:
+    """`timeout` is a number of seconds > 0; `priority` an integer, and other than 0 only on a
+    server that schedules by it (a field that would change nothing is refused)."""
+    timeout = obj.timeout
+    if timeout is not None and (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not math.isfinite(timeout)
+        or timeout <= 0
+    ):
+        raise RequestError("`timeout` must be a number of seconds > 0.", "timeout")
+    priority = obj.priority
+    if priority is None:
+        return
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise RequestError("`priority` must be an integer.", "priority")
+    if priority != 0 and not server_args.enable_priority_scheduling:
+        raise RequestError(
+            "`priority` needs a server started with --enable-priority-scheduling.", "priority"
+        )

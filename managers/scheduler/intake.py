@@ -7,8 +7,10 @@
                                    └─(the queue is full)──▶ finished with a 503
 
 Queued means not admitted yet: waiting, in the grammar queue, or held by the disaggregation
-side. `--max-queued-requests` and `--max-queued-tokens` (prompt tokens) bound them; a request
-that would pass a bound is refused with a 503 at once (the HTTP layer adds `Retry-After`).
+side. `--max-queued-requests` and `--max-queued-tokens` (prompt tokens) bound them (queued
+requests that free running rows will take next step do not count against the first); a
+request that would pass a bound is refused with a 503 at once (the HTTP layer adds
+`Retry-After`).
 With priority scheduling, a newcomer more urgent than the least urgent never-admitted waiting
 request takes its place, and that one gets the 503 instead. Bounds apply to arrivals only: a
 retracted request always goes back to the queue.
@@ -165,7 +167,9 @@ class Intake:
         """Why `req` may not queue now (with `leaving` gone from the queue), or None."""
         if self.max_queued_requests is not None:
             n = self.num_queued() - (leaving is not None)
-            if n >= self.max_queued_requests:
+            # Requests the next step admits into free rows are no backlog: a burst that
+            # arrives between two steps fills the free rows and the queue, not the queue alone.
+            if n - self.kv.free_rows() >= self.max_queued_requests:
                 return (
                     f"The server is overloaded: {n} requests are waiting for admission "
                     f"(--max-queued-requests {self.max_queued_requests}); retry later."

@@ -1,6 +1,7 @@
 """Every HTTP error in one shape: `{"error": {"message", "type", "param", "code"}}`.
 
-`install_error_handlers(app)` maps `RequestError`, validation errors, malformed JSON, unknown
+`install_error_handlers(app)` maps `RequestError` (with its headers, e.g. a 503's
+`Retry-After`), validation errors, malformed JSON, unknown
 routes / methods and unexpected exceptions to that shape, so native and OpenAI routes answer
 alike. Streaming routes that fail after their first chunk send `sse_error_event(...)` instead.
 
@@ -44,7 +45,7 @@ def _capped_error(err: RequestError) -> RequestError:
     param = None if err.param is None else capped(err.param, _MAX_PARAM_CHARS)
     if len(err.message) <= MAX_ERROR_MESSAGE_CHARS and param == err.param:
         return err
-    return RequestError(capped(err.message), param, err.status_code)
+    return RequestError(capped(err.message), param, err.status_code, err.headers)
 
 
 def json_response(content: Any, status_code: int = 200, headers: Any = None) -> Response:
@@ -54,6 +55,8 @@ def json_response(content: Any, status_code: int = 200, headers: Any = None) -> 
 
 
 def request_error_response(err: RequestError, headers: Any = None) -> Response:
+    if headers is None:
+        headers = err.headers
     return json_response(_capped_error(err).to_json(), err.status_code, headers)
 
 

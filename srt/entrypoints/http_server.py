@@ -16,12 +16,10 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
-import orjson
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import StreamingResponse
 
 from managers.errors import RequestError
 from managers.io_struct import GenerateReqInput
@@ -36,6 +34,7 @@ from srt.entrypoints.http_errors import (
 from srt.entrypoints.limits import BodyLimitMiddleware
 from srt.entrypoints.native_protocol import generate_all, parse_generate, stream_all
 from srt.entrypoints.openai.routes import register_openai_routes
+from srt.entrypoints.sse import SSE_DONE, sse_event, start_sse
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -46,28 +45,24 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0
 LOCAL_PATH_ARGS = ("model_path", "tokenizer_path", "chat_template", "cache_dir", "api_key_file")
 
 
-def sse(item: Any) -> bytes:
-    return b"data: " + orjson.dumps(item) + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-async def sse_stream(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[bytes]:
-    """Native streaming: each cumulative output as one event, then [DONE]; an abort or a
-    failure after the first event becomes an error event."""
-    async with contextlib.aclosing(rest):
+async def sse_stream(items: AsyncGenerator[Any, None]) -> AsyncGenerator[bytes, None]:
+    """Native streaming: each cumulative output as one event, then [DONE]. A refusal before
+    the first event raises (`start_sse` answers it with a plain error when it can); an abort
+    or a failure after it becomes an error event."""
+    started = False
+    async with contextlib.aclosing(items):
         try:
-            item = first
-            while item is not None:
+            async for item in items:
                 reason = item["meta_info"].get("finish_reason") or {}
                 if reason.get("type") == "abort" and reason.get("status_code"):
                     # Refused or failed (not a user's abort): an error event, as OpenAI does.
                     yield sse_error_event(reason["message"], reason["status_code"])
                     break
-                yield sse(item)
-                item = await anext(rest, None)
+                started = True
+                yield sse_event(item)
         except RequestError as e:
+            if not started:
+                raise
             yield sse_error_event(e.message, e.status_code, e.param)
     yield SSE_DONE
 
@@ -156,13 +151,8 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         objs, is_batch = parse_generate(body, server_args.max_batch_size)
         if not objs[0].stream:
             return json_response(await generate_all(tm, objs, is_batch, request))
-        stream = stream_all(tm, objs, is_batch, request)
-        try:
-            first = await anext(stream)  # errors before the first output are plain 4xx
-        except BaseException:
-            await stream.aclose()
-            raise
-        return StreamingResponse(sse_stream(first, stream), media_type="text/event-stream")
+        # Errors before the first output are plain 4xx / 503, unless it is queued for long.
+        return await start_sse(sse_stream(stream_all(tm, objs, is_batch, request)))
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:

@@ -3,7 +3,8 @@ the offline `Engine`.
 
 A body carries `text` or `input_ids`, each a single prompt or a batch, with
 `sampling_params` (one dict for all prompts, or one per prompt), `rid` (str or list),
-`stream`, and the logprob options. One prompt with n == 1 answers with one object; a batch
+`stream`, the logprob options, and `timeout` (seconds) and `priority` (an integer) for the
+whole body (the tokenizer manager checks both). One prompt with n == 1 answers with one object; a batch
 or n > 1 answers with a list ordered prompt-major (prompt i, sample j -> i * n + j), and
 streamed items carry that position as "index".
 """
@@ -70,6 +71,8 @@ def parse_generate(body: Any, max_batch_size: int) -> tuple[list[GenerateReqInpu
             rid=rids[i],
             stream=stream,
             bootstrap=boot[i],
+            timeout=body.get("timeout"),
+            priority=body.get("priority"),
             **options,
         )
         for i, (field, prompt) in enumerate(prompts)

@@ -58,7 +58,7 @@ def sse_events(url: str, body: dict[str, Any]) -> list[Any]:
         assert resp.headers["content-type"].startswith("text/event-stream")
         events: list[Any] = []
         for line in resp.iter_lines():
-            if not line:
+            if not line or line.startswith(b":"):  # blank, or an SSE comment (keep-alive)
                 continue
             assert line.startswith(b"data: "), line
             payload = line[len(b"data: ") :]

@@ -148,22 +148,22 @@ def test_every_queued_request_expires_in_one_step(loop_kind: str) -> None:
 def test_full_queue_refuses_with_503(loop_kind: str) -> None:
     driver = make_driver(loop_kind, max_queued_requests=2)
     rids = [driver.submit(prompt(i), {"max_new_tokens": 8})[0] for i in range(6)]
-    # Nothing ran yet: the first two wait, the other four are refused at once.
-    for rid in rids[2:]:
+    # Nothing ran yet: one for the free row and two queued wait, three are refused at once.
+    for rid in rids[3:]:
         reason = finish(driver, rid)
         assert reason["status_code"] == 503 and "--max-queued-requests 2" in reason["message"]
     driver.run_until_idle()
-    for i, rid in enumerate(rids[:2]):
+    for i, rid in enumerate(rids[:3]):
         assert driver.result(rid)["output_ids"] == scripted_output(prompt(i), 8)
-    assert driver.scheduler.intake.num_refused_reqs == 4
+    assert driver.scheduler.intake.num_refused_reqs == 3
     assert_idle_and_clean(driver)
 
 
 def test_admitted_requests_leave_room_in_the_queue(loop_kind: str) -> None:
     driver = make_driver(loop_kind, max_running_requests=2, max_queued_requests=1)
-    first = [driver.submit(prompt(i), {"max_new_tokens": 30})[0] for i in range(1)]
-    steps(driver, 2)  # admitted: the queue is empty again
-    more = [driver.submit(prompt(i), {"max_new_tokens": 30})[0] for i in range(1, 4)]
+    first = [driver.submit(prompt(i), {"max_new_tokens": 30})[0] for i in range(2)]
+    steps(driver, 2)  # both admitted: no free row, and the queue is empty again
+    more = [driver.submit(prompt(i), {"max_new_tokens": 30})[0] for i in range(2, 5)]
     assert finish(driver, more[0]) is None
     assert all(finish(driver, r)["status_code"] == 503 for r in more[1:])
     driver.run_until_idle()

@@ -43,7 +43,7 @@ def stream_one(url: str, i: int, close_after: int | None, results: dict) -> None
         events = 0
         last = None
         for line in resp.iter_lines():
-            if not line:
+            if not line or line.startswith(b":"):  # blank, or an SSE comment (keep-alive)
                 continue
             if line == b"data: [DONE]":
                 break

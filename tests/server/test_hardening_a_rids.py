@@ -35,7 +35,7 @@ class Stream:
         with requests.post(url + "/generate", json={**body, "stream": True}, stream=True) as r:
             self.status = r.status_code
             for line in r.iter_lines():
-                if not line:
+                if not line or line.startswith(b":"):  # blank, or an SSE comment (keep-alive)
                     continue
                 if line == b"data: [DONE]":
                     self.done = True

@@ -69,7 +69,7 @@ def abort_all(url: str) -> None:
 def data_events(resp: requests.Response) -> list[Any]:
     events: list[Any] = []
     for line in resp.iter_lines():
-        if line:
+        if line and not line.startswith(b":"):  # an SSE comment is a keep-alive
             assert line.startswith(b"data: "), line
             payload = line[len(b"data: ") :]
             events.append("[DONE]" if payload == b"[DONE]" else orjson.loads(payload))
@@ -144,7 +144,7 @@ def test_operator_abort_of_a_chat_stream_ends_with_an_abort_chunk(url: str) -> N
         lines = resp.iter_lines()
         events: list[Any] = []
         for line in lines:  # the role chunk, then the first content chunk
-            if line:
+            if line.startswith(b"data: "):
                 events.append(orjson.loads(line[len(b"data: ") :]))
                 if events[-1]["choices"][0]["delta"].get("content"):
                     break

@@ -21,7 +21,7 @@ def sse_items(resp: requests.Response) -> list:
     """Parse `data:` lines; the stream must end with [DONE]."""
     items, done = [], False
     for line in resp.iter_lines():
-        if not line:
+        if not line or line.startswith(b":"):  # blank, or an SSE comment (keep-alive)
             continue
         assert line.startswith(b"data: "), line
         payload = line[len(b"data: ") :]

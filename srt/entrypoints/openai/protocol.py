@@ -54,6 +54,11 @@ class SamplingRequest(_Lenient):
             return None
         return (self.bootstrap_host, self.bootstrap_port or 0, self.bootstrap_room)
 
+    # SGLang extras of admission: seconds the request may take in all, and its priority
+    # (other than 0 only on a server started with --enable-priority-scheduling).
+    timeout: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    priority: int | None = None
+
     model: str | None = None
     max_tokens: int | None = Field(None, ge=0)
     temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)

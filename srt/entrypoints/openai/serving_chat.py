@@ -68,6 +68,8 @@ class OpenAIServingChat:
             top_logprobs_num=req.top_logprobs or 0,
             return_text_in_logprobs=req.logprobs,
             bootstrap=req.bootstrap(),
+            timeout=req.timeout,
+            priority=req.priority,
         )
         gens = [self.tm.generate_request(obj, raw_request)]
         if req.stream:

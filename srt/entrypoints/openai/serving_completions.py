@@ -90,6 +90,8 @@ class OpenAIServingCompletion:
             top_logprobs_num=req.logprobs or 0,
             return_text_in_logprobs=want_logprobs,
             bootstrap=req.bootstrap(),
+            timeout=req.timeout,
+            priority=req.priority,
         )
 
     def _prompt_text(self, prompt: Prompt) -> str:

@@ -22,24 +22,20 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-import orjson
 from fastapi import Request, Response
-from starlette.responses import StreamingResponse
-from starlette.types import Send
 
 from managers.errors import RequestError
 from managers.io_struct import GenerateReqInput
-from srt.entrypoints.http_errors import request_error_response, sse_error_event
+from srt.entrypoints.http_errors import sse_error_event
 from srt.entrypoints.openai.protocol import (
     PromptTokensDetails,
     ResponseFormat,
     SamplingRequest,
     UsageInfo,
 )
+from srt.entrypoints.sse import SSE_DONE, sse_event, start_sse
 
 logger = logging.getLogger(__name__)
-
-SSE_DONE = b"data: [DONE]\n\n"
 
 
 T = TypeVar("T")
@@ -225,10 +221,6 @@ async def collect_final(
     return finals
 
 
-def sse_event(obj: Any) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-
 async def _sse(chunks: AsyncGenerator[Any, None]) -> AsyncGenerator[bytes, None]:
     started = False
     async with contextlib.aclosing(chunks):
@@ -249,35 +241,7 @@ async def _sse(chunks: AsyncGenerator[Any, None]) -> AsyncGenerator[bytes, None]
     yield SSE_DONE
 
 
-class _SSEResponse(StreamingResponse):
-    """Sends an already-produced first event, then the rest; always closes the stream."""
-
-    def __init__(self, first: bytes, events: AsyncGenerator[bytes, None]) -> None:
-        super().__init__(
-            events,
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-        self._first = first
-        self._events = events
-
-    async def stream_response(self, send: Send) -> None:
-        # Starlette leaves the iterator open when it is cancelled mid-send (disconnect).
-        async with contextlib.aclosing(self._events):
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            await send({"type": "http.response.body", "body": self._first, "more_body": True})
-            async for event in self._events:
-                await send({"type": "http.response.body", "body": event, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
 async def sse_response(chunks: AsyncGenerator[Any, None]) -> Response:
-    """SSE of `chunks`; an error before the first chunk is a plain JSON error response."""
-    events = _sse(chunks)
-    try:
-        first = await anext(events)
-    except RequestError as err:
-        return request_error_response(err)
-    except StopAsyncIteration:  # pragma: no cover - _sse always ends with [DONE]
-        first = SSE_DONE
-    return _SSEResponse(first, events)
+    """SSE of `chunks`; an error before the first chunk is a plain JSON error response, unless
+    the request is still queued after `FIRST_EVENT_WAIT_S` (see `srt/entrypoints/sse.py`)."""
+    return await start_sse(_sse(chunks))

@@ -1,0 +1,252 @@
+"""Admission control on a real server: a bounded queue answers 503 with Retry-After, a
+request's `timeout` fails it while queued, `priority` needs the flag, and a queued stream gets
+its headers (and keep-alives) before its first token.
+
+One server: 2 running requests at most, 4 queued at most. Latencies are printed, not asserted
+(a loaded 2-core machine breaks absolute bounds); the assertions are about order instead.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import orjson
+import pytest
+import requests
+
+from tests.server.server_process import ServerProcess
+
+MAX_RUNNING = 2
+MAX_QUEUED = 4
+FILL_TOKENS = 4000  # fillers run until they are aborted
+TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    log = Path(tmp_path_factory.mktemp("admission")) / "server.log"
+    srv = ServerProcess(
+        "--dtype", "float32",
+        "--max-total-tokens", "32768",
+        "--max-running-requests", str(MAX_RUNNING),
+        "--max-queued-requests", str(MAX_QUEUED),
+        log_path=log,
+    )  # fmt: skip
+    yield srv.url
+    code = srv.stop()
+    assert code == 0, f"server exited with {code}: {srv.tail()}"
+
+
+def state(url: str) -> dict:
+    return requests.get(url + "/get_server_info", timeout=30).json()["internal_states"][0]
+
+
+def wait_until(url: str, pred, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = state(url)
+        if pred(s):
+            return s
+        time.sleep(0.05)
+    raise AssertionError(f"server state not reached in {timeout} s: {s}")
+
+
+def assert_idle_and_clean(url: str) -> None:
+    s = wait_until(url, lambda s: s["num_running_reqs"] == 0 and s["num_queue_reqs"] == 0)
+    assert s["token_usage"] == 0, s
+    assert s["memory_integrity"]["ok"] is True, s["memory_integrity"]
+
+
+def body(i: int, max_new_tokens: int, **extra) -> dict:
+    return {
+        "text": f"Request {i}: write a long story about a lighthouse keeper",
+        "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True},
+        **extra,
+    }
+
+
+class Fillers:
+    """`n` long requests that occupy the running slots (and the queue) until aborted."""
+
+    def __init__(self, url: str, n: int) -> None:
+        self.url = url
+        self.statuses: list[int] = []
+        self.threads = [
+            threading.Thread(target=self._one, args=(i,), daemon=True) for i in range(n)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _one(self, i: int) -> None:
+        r = requests.post(self.url + "/generate", json=body(i, FILL_TOKENS), timeout=TIMEOUT_S)
+        self.statuses.append(r.status_code)
+
+    def stop(self) -> None:
+        requests.post(self.url + "/abort_request", json={"abort_all": True}, timeout=30)
+        for t in self.threads:
+            t.join(TIMEOUT_S)
+        assert self.statuses == [200] * len(self.threads), self.statuses
+
+
+def assert_overloaded(resp: requests.Response) -> dict:
+    assert resp.status_code == 503, (resp.status_code, resp.text)
+    assert resp.headers["retry-after"] == "1"
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == 503 and error["type"] == "ServiceUnavailableError"
+    return error
+
+
+@pytest.mark.slow
+def test_40_concurrent_requests_overflow_with_fast_503s(url: str) -> None:
+    n, new_tokens = 40, 48
+    results: list[tuple[int, float, float, requests.Response]] = []
+    lock = threading.Lock()
+    start = threading.Barrier(n)
+
+    def one(i: int) -> None:
+        start.wait()
+        t0 = time.monotonic()
+        r = requests.post(url + "/generate", json=body(i, new_tokens), timeout=TIMEOUT_S)
+        with lock:
+            results.append((r.status_code, t0, time.monotonic(), r))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT_S)
+    assert len(results) == n
+    assert {code for code, *_ in results} <= {200, 503}, [c for c, *_ in results]
+    done = [(t1, r) for code, _, t1, r in results if code == 200]
+    refused = [(t1 - t0, t1, r) for code, t0, t1, r in results if code == 503]
+    assert len(done) >= MAX_RUNNING + MAX_QUEUED, len(done)
+    assert refused, "nothing was refused"
+    for _, r in done:
+        reason = r.json()["meta_info"]["finish_reason"]
+        assert reason == {"type": "length", "length": new_tokens}
+    for _, _, r in refused:
+        assert "--max-queued-requests" in assert_overloaded(r)["message"]
+    first_done = min(t1 for t1, _ in done)
+    assert all(t1 < first_done for _, t1, _ in refused), "a 503 came after a request finished"
+    lat = sorted(1000 * dt for dt, _, _ in refused)
+    print(
+        f"\n{len(done)} completed, {len(refused)} refused; 503 latency ms: "
+        f"median {statistics.median(lat):.1f}, max {lat[-1]:.1f}; first completion "
+        f"{1000 * (first_done - min(t0 for _, t0, _, _ in results)):.0f} ms after the start"
+    )
+    assert_idle_and_clean(url)
+
+
+@pytest.mark.slow
+def test_request_timeout_behind_a_long_queue(url: str) -> None:
+    fillers = Fillers(url, MAX_RUNNING)
+    try:
+        wait_until(url, lambda s: s["num_running_reqs"] == MAX_RUNNING)
+        t0 = time.monotonic()
+        r = requests.post(url + "/generate", json=body(99, 8, timeout=1), timeout=TIMEOUT_S)
+        late = time.monotonic() - t0 - 1.0
+        error = assert_overloaded(r)
+        assert "timed out after 1 s" in error["message"], error
+        assert "waiting for admission" in error["message"], error
+        print(f"\nqueued request with timeout 1 s answered {1000 * late:.0f} ms after its deadline")
+        assert late >= 0
+    finally:
+        fillers.stop()
+    assert_idle_and_clean(url)
+    # Admitted at once, it times out while running: the output so far, finish reason abort.
+    r = requests.post(url + "/generate", json=body(98, FILL_TOKENS, timeout=1), timeout=TIMEOUT_S)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "timed out after 1 s" in reason["message"], reason
+    assert 0 < out["meta_info"]["completion_tokens"] < FILL_TOKENS
+    assert_idle_and_clean(url)  # its KV went back
+
+
+def test_priority_and_timeout_are_checked(url: str) -> None:
+    cases = [
+        ("/generate", {"text": "Hi", "priority": 1}, "priority"),
+        ("/generate", {"text": "Hi", "priority": "high"}, "priority"),
+        ("/generate", {"text": "Hi", "timeout": 0}, "timeout"),
+        ("/generate", {"text": "Hi", "timeout": "1"}, "timeout"),
+        ("/v1/completions", {"prompt": "Hi", "priority": 2}, "priority"),
+        ("/v1/completions", {"prompt": "Hi", "timeout": -1}, "timeout"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "priority": 2},
+         "priority"),
+    ]  # fmt: skip
+    for path, payload, param in cases:
+        r = requests.post(url + path, json=payload, timeout=TIMEOUT_S)
+        assert r.status_code == 400, (path, payload, r.text)
+        assert r.json()["error"]["param"] == param, r.text
+    r = requests.post(url + "/generate", json={**body(0, 1), "priority": 0}, timeout=TIMEOUT_S)
+    assert r.status_code == 200, r.text  # the default priority changes nothing
+
+
+def read_sse(resp: requests.Response) -> tuple[list[bytes], list[dict]]:
+    """(comment lines, data payloads) of a whole stream."""
+    comments, data = [], []
+    for line in resp.iter_lines():
+        if line.startswith(b":"):
+            comments.append(line)
+        elif line.startswith(b"data: ") and line != b"data: [DONE]":
+            data.append(orjson.loads(line[len(b"data: ") :]))
+    return comments, data
+
+
+STREAMS = {
+    "/generate": lambda: body(7, 8, stream=True, timeout=2.5),
+    "/v1/chat/completions": lambda: {
+        "messages": [{"role": "user", "content": "Tell me a story"}],
+        "max_tokens": 8,
+        "stream": True,
+        "timeout": 2.5,
+    },
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", list(STREAMS))
+def test_queued_stream_gets_headers_then_keepalives(url: str, path: str) -> None:
+    fillers = Fillers(url, MAX_RUNNING)
+    try:
+        wait_until(url, lambda s: s["num_running_reqs"] == MAX_RUNNING)
+        t0 = time.monotonic()
+        with requests.post(url + path, json=STREAMS[path](), stream=True, timeout=30) as r:
+            headers_s = time.monotonic() - t0
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            assert state(url)["num_queue_reqs"] == 1  # still queued: no token yet
+            comments, data = read_sse(r)
+        print(f"\n{path}: headers after {headers_s:.2f} s while queued")
+        assert comments and comments[0] == b": keep-alive"
+        # Its timeout passed while queued: an error event, not an HTTP status any more.
+        [event] = data
+        assert event["error"]["code"] == 503 and "timed out" in event["error"]["message"]
+    finally:
+        fillers.stop()
+    assert_idle_and_clean(url)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", list(STREAMS))
+def test_stream_refused_by_a_full_queue_gets_503(url: str, path: str) -> None:
+    # The queued ones are sent once the running ones are admitted (sent together, they could
+    # all reach the scheduler before its next step and overflow the queue themselves).
+    running = Fillers(url, MAX_RUNNING)
+    queued = None
+    try:
+        wait_until(url, lambda s: s["num_running_reqs"] == MAX_RUNNING)
+        queued = Fillers(url, MAX_QUEUED)
+        wait_until(url, lambda s: s["num_queue_reqs"] == MAX_QUEUED)
+        r = requests.post(url + path, json=STREAMS[path](), stream=True, timeout=30)
+        assert_overloaded(r)
+    finally:
+        running.stop()
+        if queued is not None:
+            queued.stop()
+    assert_idle_and_clean(url)
