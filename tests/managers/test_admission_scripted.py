@@ -26,9 +26,11 @@ class FakeClock:
         return self.now
 
 
-def make_driver(loop_kind: str, max_running_requests: int = 1, **args) -> InProcessDriver:
+def make_driver(
+    loop_kind: str, max_running_requests: int = 1, max_total_tokens: int = 4096, **args
+) -> InProcessDriver:
     server_args = ServerArgs(disable_overlap_schedule=loop_kind == "normal", **args)
-    worker = ScriptedWorker(4096, max_running_requests)
+    worker = ScriptedWorker(max_total_tokens, max_running_requests)
     return InProcessDriver(server_args, worker=worker, tokenizer=None)
 
 
@@ -233,4 +235,32 @@ def test_urgent_newcomer_displaces_least_urgent_waiting(loop_kind: str) -> None:
     driver.run_until_idle()
     for rid in ("run", "low-old", "urgent"):
         assert finish(driver, rid)["type"] == "length", rid
+    assert_idle_and_clean(driver)
+
+
+def test_running_deadline_of_a_retracted_request(loop_kind: str) -> None:
+    """A request retracted back to the queue keeps its admission time: its running limit
+    finishes it there (its KV went back at the retraction), and the others complete."""
+    driver = make_driver(
+        loop_kind,
+        max_running_requests=8,
+        max_total_tokens=320,
+        schedule_conservativeness=0.1,  # admit eagerly: decoding then needs a retraction
+        running_timeout=5.0,
+    )
+    sched = driver.scheduler
+    clock = sched.deadlines.clock = FakeClock()
+    rids = [driver.submit(prompt(i) * 2, {"max_new_tokens": 40})[0] for i in range(8)]
+    retracted: list = []
+    while not retracted and driver.step():
+        retracted = [r for r in sched.queues.waiting if r.admission.admitted is not None]
+    assert retracted, "the pool was meant to force a retraction"
+    clock.now += 6
+    driver.step()
+    for req in retracted:
+        reason = finish(driver, req.rid)
+        assert reason["type"] == "abort" and "--running-timeout" in reason["message"], reason
+        assert "status_code" not in reason
+    driver.run_until_idle()
+    assert all(finish(driver, rid) is not None for rid in rids)
     assert_idle_and_clean(driver)
