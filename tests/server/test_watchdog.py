@@ -5,6 +5,8 @@ non-zero status and a log line naming the watchdog, leaving no child process beh
 from __future__ import annotations
 
 import concurrent.futures as cf
+import subprocess
+import sys
 import time
 
 import pytest
@@ -62,3 +64,36 @@ def test_hung_forward_fails_health_and_exits_nonzero(tmp_path, monkeypatch) -> N
         srv.stop()  # closes the log; kills the server only if the test failed early
         if still_running:
             pytest.fail("the server did not exit")
+
+
+WATCHDOG_SCRIPT = """
+import logging, sys, time
+from managers.scheduler_process import StepWatchdog
+logging.basicConfig(level=logging.INFO)
+dog = StepWatchdog(float(sys.argv[1]), lambda: "the test step")
+dog.start()
+for _ in range(20):  # quick iterations never fire it
+    dog.begin(); time.sleep(0.05); dog.end()
+dog.begin()
+time.sleep(float(sys.argv[2]))
+print("step finished", flush=True)
+"""
+
+
+@pytest.mark.parametrize(("step_s", "fires"), [(0.2, False), (30.0, True)])
+def test_step_watchdog_exits_only_past_its_timeout(step_s: float, fires: bool) -> None:
+    tic = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-c", WATCHDOG_SCRIPT, "0.5", str(step_s)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    if not fires:
+        assert out.returncode == 0 and "step finished" in out.stdout, out.stderr
+        return
+    assert out.returncode == WATCHDOG_EXIT_CODE, out.stderr
+    assert time.monotonic() - tic < 20  # well before the step would have ended
+    assert "Scheduler watchdog: the test step has run" in out.stderr
+    assert "most recent call first" in out.stderr  # every thread's stack
