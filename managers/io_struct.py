@@ -256,7 +256,8 @@ class SchedulerStats:
     worker_idle_s: float = 0.0
     worker_busy_s: float = 0.0
     # Load, as SGLang's /get_load reports it: KV slots held by requests (neither free nor
-    # evictable from the prefix tree), and the prompt tokens of the waiting requests.
+    # evictable from the prefix tree), and the prompt tokens of the requests not admitted yet
+    # (waiting, or compiling their grammar).
     num_used_tokens: int = 0
     num_queued_tokens: int = 0
 

@@ -62,7 +62,7 @@ class ServerMetrics:
             "sglang:num_used_tokens", "KV slots held by requests (neither free nor evictable)"
         )
         self.num_queued_tokens = gauge(
-            "radixrt:num_queued_tokens", "Prompt tokens of the requests in the waiting queue"
+            "radixrt:num_queued_tokens", "Prompt tokens of the requests not admitted yet"
         )
         self.num_retracted = counter(
             "sglang:num_retracted_requests", "Requests retracted because the KV pool was full"

@@ -193,7 +193,6 @@ class SchedulerServer:
             return  # idle and nothing new since the last report
         s = self.scheduler
         out = s.output
-        waiting = s.queues.waiting
         tokens = out.num_generated_tokens - self.last_stats_tokens
         self.last_stats_time, self.last_stats_tokens = now, out.num_generated_tokens
         self.send_to_tokenizer.send_pyobj(
@@ -208,7 +207,7 @@ class SchedulerServer:
                 worker_idle_s=out.idle_tracker.idle_s,
                 worker_busy_s=out.idle_tracker.busy_s,
                 num_used_tokens=s.kv.total_tokens - s.kv.available_tokens(),
-                num_queued_tokens=sum(len(r.origin_input_ids) for r in waiting),
+                num_queued_tokens=s.intake.num_queued_tokens(),  # waiting or compiling
             )
         )
 
