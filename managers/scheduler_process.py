@@ -82,10 +82,14 @@ class StepWatchdog:
                 self.fire(time.monotonic() - started)
 
     def fire(self, elapsed: float) -> None:
+        try:
+            what = self.describe()
+        except Exception:  # noqa: BLE001 - whatever the state, the process must still exit
+            what = "a scheduler step"
         logger.error(
             "Scheduler watchdog: %s has run %.1f s, past --watchdog-timeout %.1f s; "
             "dumping every thread's stack and exiting with code %d.",
-            self.describe(),
+            what,
             elapsed,
             self.timeout_s,
             WATCHDOG_EXIT_CODE,
