@@ -1,10 +1,14 @@
 """The scheduler's step watchdog, end to end: a forward that never returns (the model worker's
 test hook) makes /health fail, fails the open request with a 503, and ends the server with a
-non-zero status and a log line naming the watchdog, leaving no child process behind."""
+non-zero status and a log line naming the watchdog, leaving no child process behind. A
+scheduler too stuck for its own watchdog is killed by the main process. And the watchdog
+alone, in a subprocess."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -13,6 +17,7 @@ import pytest
 import requests
 
 from managers.model_worker import TEST_HANG_AT_FORWARD_ENV
+from srt.entrypoints.serve import HEARTBEAT_KILL_GRACE_S
 from srt.utils.process import WATCHDOG_EXIT_CODE
 from tests.server.server_process import ServerProcess, alive
 
@@ -62,6 +67,39 @@ def test_hung_forward_fails_health_and_exits_nonzero(tmp_path, monkeypatch) -> N
     finally:
         still_running = srv.proc.poll() is None
         srv.stop()  # closes the log; kills the server only if the test failed early
+        if still_running:
+            pytest.fail("the server did not exit")
+
+
+def test_stopped_scheduler_is_killed_by_the_main_process(tmp_path) -> None:
+    """A scheduler too stuck even for its own watchdog (here: SIGSTOP; in life, a call that
+    holds the GIL) stops sending heartbeats: /health fails, and the main process kills it
+    once it has been silent for --watchdog-timeout + HEARTBEAT_KILL_GRACE_S."""
+    log = tmp_path / "server.log"
+    srv = ServerProcess(
+        "--dtype", "float32", "--max-total-tokens", "4096",
+        "--watchdog-timeout", str(WATCHDOG_S),
+        log_path=log,
+    )  # fmt: skip
+    try:
+        children = list(srv.children)
+        info = requests.get(srv.url + "/get_server_info", timeout=30).json()
+        scheduler_pid = info["internal_states"][0]["pid"]
+        os.kill(scheduler_pid, signal.SIGSTOP)
+        deadline = time.monotonic() + WATCHDOG_S + SLACK_S
+        while (code := health(srv.url)) == 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert code != 200, "/health stayed 200 with a stopped scheduler"
+        rc = srv.proc.wait(WATCHDOG_S + HEARTBEAT_KILL_GRACE_S + SLACK_S)
+        assert rc != 0
+        assert "exited unexpectedly (killed by the main process: no heartbeat" in log.read_text()
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in children if alive(pid)], "orphaned child processes"
+    finally:
+        still_running = srv.proc.poll() is None
+        srv.stop()
         if still_running:
             pytest.fail("the server did not exit")
 
