@@ -1,17 +1,19 @@
 """Caps on what a constraint may ask of the grammar compiler, checked before it compiles.
 
 A compile cannot be interrupted once it runs (xgrammar's compiler is native code with no
-cancellation), so a grammar that would take minutes must be refused up front. What is
-expensive was measured with xgrammar on the default model's 49k-token vocabulary (one CPU
-thread; see the README's "Operating" section):
+cancellation), so a grammar that would take minutes must be refused up front. Compile times
+with xgrammar and the default model's 49k-token vocabulary, one compile thread on a busy
+2-core machine:
 
-- nesting: a 200-deep array schema compiles in 0.4 s and a 1000-deep one in ~75 s, at
-  5000 levels the compiler grows past 6 GB. Twenty levels (OpenAI allows ten) cost nothing.
-- optional properties of one object: 500 compile in 0.5-0.8 s, 1000 in 3-5.5 s, 2000 in
-  ~32 s, and the cost multiplies when such objects nest (ten objects of 500 optional
-  properties: 115 s). With at most 1000 properties in the whole schema the worst shape we
-  found (one flat object) compiles in ~5 s. Required properties are cheap (5000 in 1.4 s);
-  enums, anyOf lists and regex repetition counts were cheap at every size tried.
+- nesting: a 200-deep array schema compiles in 0.4 s; the issue's probe saw a 1000-deep one
+  (40 KB) take ~75 s and 5000 levels grow past 6 GB. Twenty levels (OpenAI allows ten)
+  cost nothing measurable.
+- optional properties: one object with 500 compiles in 0.5-0.8 s, 1000 in 3-5.5 s, 2000 in
+  ~32 s (the probe), and the cost multiplies when such objects nest (ten objects of 500:
+  115 s). Under the cap of 1000 properties in the whole schema the worst shape found is the
+  flat object (~5 s; two objects of 500: 1.8 s, ten of 100: 0.5 s). Required properties
+  are cheap (5000 in 1.4 s), as were enums, anyOf lists and regex repetition counts at
+  every size tried.
 - size: the byte cap bounds everything else (long enums, long regexes and EBNF grammars).
 
 Depth counts the schemas nested in one another that hold further schemas (objects,
@@ -133,7 +135,7 @@ class _SchemaWalk:
         self.expanding: set[str] = set()
 
     def run(self) -> None:
-        self.depth(self.root, 0)
+        self.ref_depth("#", 0)  # the root, as `#`: a `$ref` back to it is then recursion
         # Definitions no path reaches may still be compiled: walk them from the top level.
         if not isinstance(self.root, dict):
             return

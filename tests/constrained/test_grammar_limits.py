@@ -111,8 +111,11 @@ def test_recursive_refs_pass_and_terminate() -> None:
         },
         "$ref": "#/definitions/a",
     }
-    for schema in (tree, linked_list, mutual):
-        check_grammar_limits("json_schema", json.dumps(schema), LIMITS)
+    sizes = [
+        check_grammar_limits("json_schema", json.dumps(s), LIMITS)
+        for s in (tree, linked_list, mutual)
+    ]
+    assert [size.properties for size in sizes] == [2, 1, 1]  # each schema counted once
 
 
 def test_refs_count_as_the_schema_they_name() -> None:
