@@ -152,12 +152,8 @@ class Intake:
     # ---- admission limits ----------------------------------------------------------
     def num_queued(self) -> int:
         """Requests not admitted yet: waiting, compiling a grammar, or with the
-        disaggregation side (a side that cannot count its requests counts as one)."""
-        try:
-            on_disagg = len(self.disagg)  # type: ignore[arg-type]
-        except TypeError:
-            on_disagg = int(bool(self.disagg))
-        return len(self.queues.waiting) + len(self.grammar_queue) + on_disagg
+        disaggregation side (waiting for their peer)."""
+        return len(self.queues.waiting) + len(self.grammar_queue) + len(self.disagg)
 
     def num_queued_tokens(self) -> int:
         waiting = self.queues.waiting + [e.req for e in self.grammar_queue.entries]
