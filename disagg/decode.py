@@ -61,6 +61,9 @@ class DecodeDisagg(DisaggSide):
         # Quarantined slots belong to no request: the server may go idle while it waits.
         return bool(self.prealloc_queue or self.transfer_queue)
 
+    def __len__(self) -> int:
+        return len(self.prealloc_queue) + len(self.transfer_queue)
+
     def add(self, req: Req) -> None:
         assert req.disagg is not None
         room = req.disagg.room
@@ -165,16 +168,21 @@ class DecodeDisagg(DisaggSide):
         )
 
     def _expire_quarantine(self, now: float) -> None:
+        """Release quarantines past the bound: one warning per silent prefill server."""
+        released: dict[tuple[str, int], list[Quarantined]] = {}
         for room, q in list(self.quarantine.items()):
             if now > q.deadline:
                 del self.quarantine[room]
                 self.port.release_quarantine(room)
-                logger.warning(
-                    "KV quarantine of room %d timed out: prefill server %s:%d did not "
-                    "acknowledge the cancel within %.0f s; releasing %d KV slots (a write "
-                    "arriving later would corrupt other requests' KV).",
-                    room,
-                    *q.peer,
-                    self.quarantine_timeout_s,
-                    q.num_slots,
-                )
+                released.setdefault(q.peer, []).append(q)
+        for (host, port), gone in released.items():
+            logger.warning(
+                "KV quarantine timed out: prefill server %s:%d did not acknowledge the cancel "
+                "of %d room(s) within %.0f s; releasing %d KV slots (a write arriving later "
+                "would corrupt other requests' KV).",
+                host,
+                port,
+                len(gone),
+                self.quarantine_timeout_s,
+                sum(q.num_slots for q in gone),
+            )

@@ -69,6 +69,10 @@ class DisaggSide:
     def __bool__(self) -> bool:
         return False  # holds no request
 
+    def __len__(self) -> int:
+        """Requests held here that are not admitted to the scheduler's queues yet."""
+        return 0
+
     def add(self, req: Req) -> None:
         raise ValueError("this server does not serve disaggregated requests")
 

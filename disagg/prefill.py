@@ -78,6 +78,9 @@ class PrefillDisagg(DisaggSide):
     def __bool__(self) -> bool:
         return bool(self.bootstrap_queue or self.inflight)
 
+    def __len__(self) -> int:
+        return len(self.bootstrap_queue)  # the inflight ones finished their prefill
+
     def add(self, req: Req) -> None:
         self.bootstrap_queue.append((req, time.monotonic() + self.timeout_s))
 

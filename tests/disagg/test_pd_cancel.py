@@ -61,8 +61,9 @@ def server(model_path: str, mode: str = "null", **args) -> InProcessDriver:
 def pd_pair(
     model_path: str, backend: str, decode_args: dict, prefill: bool = True
 ) -> tuple[InProcessDriver | None, InProcessDriver, int]:
-    if backend == "mooncake":
-        pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine-non-cuda")
+    module = {"mooncake": "mooncake.engine", "nixl": "nixl._api"}.get(backend)
+    if module is not None:
+        pytest.importorskip(module, reason=f"{backend} is not installed")
     port = free_port()
     common = {"disaggregation_transfer_backend": backend, "disaggregation_bootstrap_port": port}
     p = server(model_path, "prefill", **common) if prefill else None
@@ -126,7 +127,7 @@ class GatedWrite:
         self.landed.set()
 
 
-@pytest.mark.parametrize("backend", ["loopback", "mooncake"])
+@pytest.mark.parametrize("backend", ["loopback", "mooncake", "nixl"])
 def test_late_write_after_decode_timeout_changes_no_other_kv(
     model_path: str, backend: str, caplog
 ) -> None:
@@ -181,7 +182,7 @@ def test_late_write_after_decode_timeout_changes_no_other_kv(
     # The prefill side dropped the room: its request finished as cancelled, its KV cached.
     reason = finish_reason(prefill, pa)
     assert reason["type"] == "abort" and "cancelled by the decode server" in reason["message"]
-    if backend == "mooncake":  # a one-sided write: it really landed in A's old slots
+    if backend != "loopback":  # a one-sided write: it really landed in A's old slots
         assert all(torch.equal(x, y) for x, y in zip(landed, cached_kv(prefill, a), strict=True))
 
     # B is untouched: its output and its cached KV equal a run on a fresh server.
@@ -191,7 +192,7 @@ def test_late_write_after_decode_timeout_changes_no_other_kv(
     assert finish_reason(decode, db)["type"] == "length"
     for got, want in zip(cached_kv(decode, b), cached_kv(reference, b), strict=True):
         assert torch.equal(got, want)
-    assert not [r for r in caplog.records if "KV quarantine of room" in r.getMessage()]
+    assert not [r for r in caplog.records if "KV quarantine timed out" in r.getMessage()]
     assert_clean(prefill, decode)
 
 
