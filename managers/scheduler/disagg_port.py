@@ -12,16 +12,18 @@ from managers.io_struct import finish_abort
 
 if TYPE_CHECKING:
     from managers.req import Req
+    from managers.scheduler.deadlines import Deadlines
     from managers.scheduler.output import Output
     from managers.scheduler.queues import Queues
     from mem_cache.kv_manager import KVManager
 
 
 class Port:
-    def __init__(self, queues: Queues, kv: KVManager, output: Output) -> None:
+    def __init__(self, queues: Queues, kv: KVManager, output: Output, deadlines: Deadlines) -> None:
         self.queues = queues
         self.kv = kv
         self.output = output
+        self.deadlines = deadlines
 
     def preallocate(self, req: Req) -> list[int] | None:
         # Leave room for the running requests' next decode step.
@@ -35,6 +37,7 @@ class Port:
         self.queues.waiting.append(req)
 
     def admit_running(self, req: Req, first_token: int, cached_tokens: int) -> None:
+        self.deadlines.admitted(req)  # admitted here, not by a prefill batch
         req.cached_tokens = cached_tokens
         req.output_ids.append(first_token)
         req.check_finished(self.output.context_len, self.output.tail_text)

@@ -115,7 +115,8 @@ class Scheduler:
         self.prefill = PrefillPlanner(
             self.queues, self.kv, self.decode, self.output, server_args, self.deadlines
         )
-        self.disagg = create_disagg(server_args, Port(self.queues, self.kv, self.output), worker)
+        port = Port(self.queues, self.kv, self.output, self.deadlines)
+        self.disagg = create_disagg(server_args, port, worker)
         self.output.take_finished = self.disagg.take_finished
         self.intake = Intake(
             self.queues,
