@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import pytest
 
 from managers.inprocess import InProcessDriver
@@ -263,4 +265,30 @@ def test_running_deadline_of_a_retracted_request(loop_kind: str) -> None:
         assert "status_code" not in reason
     driver.run_until_idle()
     assert all(finish(driver, rid) is not None for rid in rids)
+    assert_idle_and_clean(driver)
+
+
+class SlowGrammars:
+    """A grammar backend whose compiles never finish."""
+
+    def compile_async(self, key) -> Future:
+        return Future()
+
+    def new_matcher(self, compiled):  # pragma: no cover - never called
+        raise AssertionError
+
+
+def test_request_waiting_for_its_grammar_times_out(loop_kind: str) -> None:
+    driver = make_driver(loop_kind, waiting_timeout=1.0)
+    sched = driver.scheduler
+    sched.intake.grammar_backend = SlowGrammars()
+    clock = sched.deadlines.clock = FakeClock()
+    [rid] = driver.submit(prompt(0), {"max_new_tokens": 4, "regex": "[0-9]+"})
+    steps(driver, 2)
+    assert len(sched.intake.grammar_queue) == 1 and finish(driver, rid) is None
+    clock.now += 1.01
+    driver.step()
+    reason = finish(driver, rid)
+    assert reason["status_code"] == 503 and "waiting for admission" in reason["message"]
+    assert not sched.intake.grammar_queue
     assert_idle_and_clean(driver)
