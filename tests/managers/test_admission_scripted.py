@@ -292,3 +292,18 @@ def test_request_waiting_for_its_grammar_times_out(loop_kind: str) -> None:
     assert reason["status_code"] == 503 and "waiting for admission" in reason["message"]
     assert not sched.intake.grammar_queue
     assert_idle_and_clean(driver)
+
+
+def test_deadline_heap_drops_finished_requests() -> None:
+    from managers.io_struct import finish_length
+    from managers.req import Req
+    from managers.scheduler.deadlines import MIN_COMPACT_LEN, Deadlines
+    from srt.sampling.sampling_params import SamplingParams
+
+    deadlines = Deadlines(waiting_timeout=60.0, running_timeout=None, clock=FakeClock())
+    reqs = [Req(f"r{i}", [1], SamplingParams(), sampling_seed=0) for i in range(3000)]
+    for req in reqs:
+        deadlines.arrived(req)
+        req.finished_reason = finish_length(1)  # finished long before its deadline
+    assert len(deadlines) <= MIN_COMPACT_LEN + 1
+    assert deadlines.expired() == []
