@@ -5,7 +5,7 @@ Lifecycle of a constrained request in the scheduler:
 
     arrival ──▶ grammar queue (compile future pending; other requests keep running)
                     │ compiled: the request gets a matcher ──▶ waiting queue
-                    │ compile error / timeout: finished with a 400 error
+                    │ over a cap / compile error / timeout: finished with a 400 error
     each step: the matcher fills the request's row of the batch's vocabulary bitmask, the
     sampler applies it, and the sampled token is accepted into the matcher; when the
     grammar terminates, the request finishes.
@@ -23,10 +23,10 @@ touches the cache; the compile threads only run `compile`, so the cache needs no
 a key's future is shared by every request that asks for it while it is cached (in flight or
 done). Before anything is submitted the constraint is held to the caps of
 `constrained/limits.py`; one over them gets a future that already failed. With two or more
-threads, one takes only small grammars (`is_small`): those compile in milliseconds, so a
-flood of big schemas, each of which may take seconds, never delays a regex or a small tool
-schema. A compile that started cannot be stopped; one that has not started is cancelled when
-no request waits for it any more (`GrammarQueue`), and a cancelled future is a cache miss.
+threads, one takes only small grammars (`is_small`), so a flood of big schemas, each of
+which may take seconds, does not hold up a short regex or a small tool schema. A compile
+that started cannot be stopped; one that has not started is cancelled when no request
+waits for it any more (`GrammarQueue`), and a cancelled future is a cache miss.
 """
 
 from __future__ import annotations
@@ -46,10 +46,13 @@ logger = logging.getLogger(__name__)
 KINDS = ("json_schema", "regex", "ebnf")
 DEFAULT_CACHE_SIZE = 64
 DEFAULT_COMPILE_THREADS = 4
-# Grammars this small compiled in at most ~20 ms (a schema of 100 optional properties, the
-# most expensive shape measured), so they may share one thread however many arrive.
+# What tool calls and simple regexes send: such grammars usually compile in milliseconds (a
+# schema of 64 optional properties: 36 ms), so they share one thread of their own. A crafted
+# one can still take seconds (a 700-byte regex of 50 bounded alternations: 2.9 s): the thread
+# bounds how long a small grammar waits behind big ones, it does not make the wait zero.
 SMALL_GRAMMAR_BYTES = 4096
 SMALL_GRAMMAR_PROPERTIES = 64
+SMALL_GRAMMAR_PATTERNS = 4
 
 
 class GrammarKey(NamedTuple):
@@ -180,7 +183,11 @@ class VocabMask:
 
 
 def is_small(size: GrammarSize) -> bool:
-    return size.bytes <= SMALL_GRAMMAR_BYTES and size.properties <= SMALL_GRAMMAR_PROPERTIES
+    return (
+        size.bytes <= SMALL_GRAMMAR_BYTES
+        and size.properties <= SMALL_GRAMMAR_PROPERTIES
+        and size.patterns <= SMALL_GRAMMAR_PATTERNS
+    )
 
 
 def grammar_key(params: Any) -> GrammarKey | None:

@@ -18,6 +18,7 @@ from constrained.base_grammar_backend import (
     BaseGrammarBackend,
     BaseGrammarObject,
     GrammarKey,
+    is_small,
 )
 from constrained.limits import GrammarLimitError, GrammarLimits, check_grammar_limits
 from managers.errors import RequestError
@@ -272,6 +273,15 @@ def test_a_flood_of_big_grammars_never_delays_a_small_one() -> None:
     assert done == {small}
     gate.set()
     assert all(f.result(WAIT_S) for f in flood_futures)
+
+
+def test_patterns_are_counted_so_a_schema_full_of_them_is_not_small() -> None:
+    patterned = flat_object(8, leaf={"type": "string", "pattern": "[a-z]{1,20}"})
+    patterned["patternProperties"] = {"^x": {}, "^y": {}}
+    size = check_grammar_limits("json_schema", json.dumps(patterned), LIMITS)
+    assert size.patterns == 10 and size.properties == 8 and size.bytes < SMALL_GRAMMAR_BYTES
+    assert not is_small(size)
+    assert is_small(check_grammar_limits("json_schema", json.dumps(flat_object(8)), LIMITS))
 
 
 def test_concurrent_requests_for_one_grammar_share_one_compile() -> None:
