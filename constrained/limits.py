@@ -104,8 +104,12 @@ def check_grammar_limits(field: str, spec: str, limits: GrammarLimits) -> Gramma
         return GrammarSize(size)
     try:
         schema = json.loads(spec)
-    except RecursionError:
-        raise _too_deep(field, limits) from None
+    except RecursionError:  # nested past what the JSON reader (and any compiler) can follow
+        raise GrammarLimitError(
+            field,
+            f"`{field}` nests too deeply to be read; this server accepts at most "
+            f"{limits.max_depth} levels (--grammar-max-depth).",
+        ) from None
     except ValueError:
         return GrammarSize(size)
     walk = _SchemaWalk(schema, field, limits)
