@@ -159,7 +159,9 @@ class Scheduler:
 
     def flush_cache(self) -> bool:
         q = self.queues
-        if q.waiting or q.running or q.chunked is not None:
+        # Requests waiting on a disaggregation peer hold slots outside the queues (a decode
+        # server's preallocated KV, which the peer may be writing).
+        if q.waiting or q.running or q.chunked is not None or self.disagg:
             logger.warning("Cache not flushed: there are running or waiting requests.")
             return False
         self.kv.flush()  # idle: every slot is free or in the tree
