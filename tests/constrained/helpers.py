@@ -7,9 +7,28 @@ import json
 from typing import Any
 
 import jsonschema
+import torch
 
+from constrained.base_grammar_backend import BaseGrammarObject
 from managers.inprocess import InProcessDriver
 from srt.server_args import ServerArgs
+
+
+class AcceptAllMatcher(BaseGrammarObject):
+    """Test double of a grammar matcher, for tests of compiling and caching: it keeps what
+    it was built from, accepts every token and masks none."""
+
+    def __init__(self, compiled: Any = None) -> None:
+        self.compiled = compiled
+
+    def accept_token(self, token: int) -> bool:
+        return True
+
+    def fill_vocab_mask(self, mask: torch.Tensor, row: int) -> None:
+        pass
+
+    def is_terminated(self) -> bool:
+        return False
 
 
 def make_driver(**args: Any) -> InProcessDriver:

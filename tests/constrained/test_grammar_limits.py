@@ -16,7 +16,6 @@ from constrained import create_grammar_backend
 from constrained.base_grammar_backend import (
     SMALL_GRAMMAR_BYTES,
     BaseGrammarBackend,
-    BaseGrammarObject,
     GrammarKey,
     is_small,
 )
@@ -27,6 +26,7 @@ from managers.scheduler.grammar_queue import GrammarQueue
 from managers.validation import check_grammar
 from srt.entrypoints.openai.serving_utils import name_response_format
 from srt.sampling.sampling_params import SamplingParams
+from tests.constrained.helpers import AcceptAllMatcher
 
 LIMITS = GrammarLimits(max_bytes=65536, max_depth=20, max_properties=1000)
 WAIT_S = 30  # a bound for waits that only fail on a broken implementation
@@ -196,17 +196,6 @@ class Compiled:
         self.key = key
 
 
-class FakeMatcher(BaseGrammarObject):
-    def accept_token(self, token: int) -> bool:
-        return True
-
-    def fill_vocab_mask(self, mask: torch.Tensor, row: int) -> None:
-        pass
-
-    def is_terminated(self) -> bool:
-        return False
-
-
 class GatedBackend(BaseGrammarBackend):
     """Compiles at once, except specs in `gates`, which wait for their event."""
 
@@ -222,8 +211,8 @@ class GatedBackend(BaseGrammarBackend):
             assert gate.wait(WAIT_S)
         return Compiled(key)
 
-    def new_matcher(self, compiled: Compiled) -> FakeMatcher:
-        return FakeMatcher()
+    def new_matcher(self, compiled: Compiled) -> AcceptAllMatcher:
+        return AcceptAllMatcher()
 
     def allocate_mask(self, batch_size: int) -> torch.Tensor:
         return torch.zeros(batch_size, 1)

@@ -15,9 +15,9 @@ from constrained import create_grammar_backend
 from constrained.base_grammar_backend import (
     DEFAULT_CACHE_SIZE,
     BaseGrammarBackend,
-    BaseGrammarObject,
     GrammarKey,
 )
+from tests.constrained.helpers import AcceptAllMatcher
 
 UNIQUE_SCHEMAS = 2000
 
@@ -35,20 +35,6 @@ class Compiled:
         self.key = key
 
 
-class FakeMatcher(BaseGrammarObject):
-    def __init__(self, compiled: Compiled) -> None:
-        self.compiled = compiled
-
-    def accept_token(self, token: int) -> bool:
-        return True
-
-    def fill_vocab_mask(self, mask: torch.Tensor, row: int) -> None:
-        pass
-
-    def is_terminated(self) -> bool:
-        return False
-
-
 class FakeBackend(BaseGrammarBackend):
     """Compiles instantly, or waits for `gate` when it is given."""
 
@@ -63,8 +49,8 @@ class FakeBackend(BaseGrammarBackend):
             assert self.gate.wait(10)
         return Compiled(key)
 
-    def new_matcher(self, compiled: Compiled) -> FakeMatcher:
-        return FakeMatcher(compiled)
+    def new_matcher(self, compiled: Compiled) -> AcceptAllMatcher:
+        return AcceptAllMatcher(compiled)
 
     def allocate_mask(self, batch_size: int) -> torch.Tensor:
         return torch.zeros(batch_size, 1)

@@ -10,6 +10,7 @@ its outputs do not depend on batching, chunking, caching or retraction.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -85,3 +86,13 @@ def scripted_output(prompt: list[int], n: int, cfg: ScriptedModelConfig | None =
         out.append(t)
         seq.append(t)
     return out
+
+
+def assert_idle_and_clean(driver: Any) -> None:
+    """The scheduler of `driver` (an `InProcessDriver`) is idle and holds no KV: every slot
+    free or evictable, the integrity check passes."""
+    sched = driver.scheduler
+    assert sched.is_idle()
+    sched.check_memory()
+    assert sched.kv.tree.protected_size() == 0
+    assert sched.kv.token_usage() == 0

@@ -10,7 +10,7 @@ import pytest
 from managers.inprocess import InProcessDriver
 from managers.io_struct import BatchTokenIDOut
 from srt.server_args import ServerArgs
-from tests.managers.scripted_worker import ScriptedWorker, scripted_output
+from tests.managers.scripted_worker import ScriptedWorker, assert_idle_and_clean, scripted_output
 
 PROMPT_LEN = 20
 
@@ -42,14 +42,6 @@ def prompt(i: int) -> list[int]:
 
 def finish(driver: InProcessDriver, rid: str) -> dict:
     return driver.result(rid)["meta_info"].get("finish_reason")
-
-
-def assert_idle_and_clean(driver: InProcessDriver) -> None:
-    sched = driver.scheduler
-    assert sched.is_idle()
-    sched.check_memory()
-    assert sched.kv.tree.protected_size() == 0
-    assert sched.kv.token_usage() == 0
 
 
 def steps(driver: InProcessDriver, n: int) -> None:

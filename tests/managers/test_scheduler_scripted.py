@@ -14,7 +14,12 @@ import pytest
 from managers.inprocess import InProcessDriver
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
-from tests.managers.scripted_worker import ScriptedModelConfig, ScriptedWorker, scripted_output
+from tests.managers.scripted_worker import (
+    ScriptedModelConfig,
+    ScriptedWorker,
+    assert_idle_and_clean,
+    scripted_output,
+)
 
 
 @pytest.fixture(autouse=True, params=["overlap", "normal"])
@@ -41,14 +46,6 @@ def make_driver(
 def prompts(n: int, lo: int, hi: int, seed: int = 0, vocab: int = 1000) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(1, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def assert_idle_and_clean(driver: InProcessDriver) -> None:
-    sched = driver.scheduler
-    assert sched.is_idle()
-    sched.check_memory()
-    assert sched.kv.tree.protected_size() == 0
-    assert sched.kv.token_usage() == 0
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -25,6 +26,15 @@ WATCHDOG_S = 3.0
 SLACK_S = 30.0  # generous: the machine may be busy; the point is "fails", not "how fast"
 
 
+def start_server(log: Path) -> ServerProcess:
+    """A small server whose watchdog fires after WATCHDOG_S seconds."""
+    return ServerProcess(
+        "--dtype", "float32", "--max-total-tokens", "4096",
+        "--watchdog-timeout", str(WATCHDOG_S),
+        log_path=log,
+    )  # fmt: skip
+
+
 def health(url: str) -> int | None:
     try:
         return requests.get(url + "/health", timeout=5).status_code
@@ -35,11 +45,7 @@ def health(url: str) -> int | None:
 def test_hung_forward_fails_health_and_exits_nonzero(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv(TEST_HANG_AT_FORWARD_ENV, "1")  # the server inherits the environment
     log = tmp_path / "server.log"
-    srv = ServerProcess(
-        "--dtype", "float32", "--max-total-tokens", "4096",
-        "--watchdog-timeout", str(WATCHDOG_S),
-        log_path=log,
-    )  # fmt: skip
+    srv = start_server(log)
     try:
         children = list(srv.children)
         assert children, "the server has no child processes"
@@ -76,11 +82,7 @@ def test_stopped_scheduler_is_killed_by_the_main_process(tmp_path) -> None:
     holds the GIL) stops sending heartbeats: /health fails, and the main process kills it
     once it has been silent for --watchdog-timeout + HEARTBEAT_KILL_GRACE_S."""
     log = tmp_path / "server.log"
-    srv = ServerProcess(
-        "--dtype", "float32", "--max-total-tokens", "4096",
-        "--watchdog-timeout", str(WATCHDOG_S),
-        log_path=log,
-    )  # fmt: skip
+    srv = start_server(log)
     try:
         children = list(srv.children)
         info = requests.get(srv.url + "/get_server_info", timeout=30).json()
