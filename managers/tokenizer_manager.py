@@ -78,7 +78,10 @@ class TokenizerManager:
         port_args: PortArgs,
         ready: SchedulerReady,
         served_model_name: str,
+        tokenizer: Any = None,
     ) -> None:
+        """`tokenizer`: the model's, when the caller loaded it already; else loaded here
+        (unless the server runs without one)."""
         self.server_args = server_args
         self.port_args = port_args
         self.model_path = ready.model_path
@@ -87,8 +90,8 @@ class TokenizerManager:
         self.vocab_size = ready.vocab_size
         self.max_total_tokens = ready.max_total_tokens
         self.max_running_requests = ready.max_running_requests
-        self.tokenizer: Any = None
-        if not server_args.skip_tokenizer_init:
+        self.tokenizer: Any = tokenizer
+        if tokenizer is None and not server_args.skip_tokenizer_init:
             from srt.model_loader.loader import get_tokenizer
 
             self.tokenizer = get_tokenizer(self.model_path, server_args.tokenizer_path)

@@ -35,11 +35,18 @@ class Engine:
         self.server_args = server_args if server_args is not None else ServerArgs(**kwargs)
         self.children = ChildProcesses(self.server_args)
         try:
+            # Loaded while the children load the model (seconds of each start).
+            tokenizer = None
+            if not self.server_args.skip_tokenizer_init:
+                from srt.model_loader.loader import get_tokenizer
+
+                tokenizer = get_tokenizer(self.children.model_path, self.server_args.tokenizer_path)
             self.tokenizer_manager = TokenizerManager(
                 self.server_args,
                 self.children.port_args,
-                self.children.ready,
+                self.children.wait_ready(),
                 self.server_args.resolved_served_model_name(),
+                tokenizer,
             )
         except BaseException:
             self.children.stop()

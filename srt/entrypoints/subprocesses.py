@@ -1,5 +1,8 @@
 """Start the scheduler and detokenizer processes, wait for readiness, watch them, stop them.
 
+Starting and waiting are two calls, so the owner can do its own loading (the tokenizer)
+while the children load the model.
+
 Children are started with the `spawn` method (a fresh interpreter: no forked torch or
 asyncio state) and as daemons. A watcher thread waits on their sentinels: a child that dies
 while the server is not stopping is logged by name, with why when it exited on purpose (the
@@ -35,11 +38,14 @@ class ChildStartError(RuntimeError):
 
 
 class ChildProcesses:
+    """Started by the constructor; `wait_ready()` returns the scheduler's `SchedulerReady`."""
+
     def __init__(self, server_args: ServerArgs) -> None:
         from srt.model_loader.loader import resolve_model_path
 
         # Resolve (and convert a GGUF) once here, so the children load the same folder.
         model_path = resolve_model_path(server_args.model_path, server_args.cache_dir)
+        self.model_path = model_path
         child_args = dataclasses.replace(server_args, model_path=model_path)
         self.port_args = PortArgs.new()
         self.stopping = False
@@ -64,13 +70,18 @@ class ChildProcesses:
         for proc in self.procs.values():
             proc.start()
         writer.close()
+        self._reader = reader
+
+    def wait_ready(self) -> SchedulerReady:
+        """Block until the scheduler is ready; on a failed start, stop every child and raise
+        `ChildStartError`."""
         try:
-            self.ready = self._wait_ready(reader)
+            return self._wait_ready(self._reader)
         except BaseException:
             self.stop()
             raise
         finally:
-            reader.close()
+            self._reader.close()
 
     def _wait_ready(self, reader: mp.connection.Connection) -> SchedulerReady:
         scheduler = self.procs["scheduler"]
