@@ -85,8 +85,7 @@ class ServerArgs:
     # Admission and time limits (what an overloaded server refuses, and when it gives up)
     max_queued_requests: int | None = _opt(
         None,
-        "most requests waiting for admission; more get a 503 with Retry-After "
-        "(default: unbounded)",
+        "most requests waiting for admission; more get a 503 with Retry-After (default: unbounded)",
     )
     max_queued_tokens: int | None = _opt(
         None, "most prompt tokens waiting for admission; more get a 503 (default: unbounded)"
