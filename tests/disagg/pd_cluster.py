@@ -21,13 +21,24 @@ class PDCluster:
         self.log_dir = log_dir
         self.bootstrap_port = free_port()
         self.extra = extra
-        self.prefill = self.start_prefill()
+        # Both servers start at once (each start is mostly imports and loading).
+        self.prefill = self.start_prefill(wait=False)
         try:
             self.decode = ServerProcess(
-                *self.common(), "--disaggregation-mode", "decode", log_path=log_dir / "decode.log"
-            )
+                *self.common(),
+                "--disaggregation-mode", "decode",
+                log_path=log_dir / "decode.log",
+                wait=False,
+            )  # fmt: skip
         except BaseException:
             self.prefill.stop()
+            raise
+        try:
+            self.prefill.wait_ready()
+            self.decode.wait_ready()
+        except BaseException:
+            self.prefill.stop()
+            self.decode.stop()
             raise
         self.router_port = free_port()
         self.url = f"http://127.0.0.1:{self.router_port}"
@@ -60,12 +71,10 @@ class PDCluster:
             *self.extra,
         )  # fmt: skip
 
-    def start_prefill(self, port: int | None = None) -> ServerProcess:
+    def start_prefill(self, port: int | None = None, wait: bool = True) -> ServerProcess:
         args = [*self.common(), "--disaggregation-mode", "prefill"]
         log = self.log_dir / f"prefill-{time.monotonic_ns()}.log"
-        if port is None:
-            return ServerProcess(*args, log_path=log)
-        return ServerProcess(*args, log_path=log, port=port)
+        return ServerProcess(*args, log_path=log, port=port, wait=wait)
 
     def wait_router(self) -> None:
         deadline = time.monotonic() + ROUTER_TIMEOUT_S

@@ -27,6 +27,9 @@ TEXTS = [f"Fact number {i}: the" for i in range(8)] + [
     "import numpy as np\n",
 ]
 GREEDY = {"max_new_tokens": 16, "temperature": 0}
+# Short enough that killing the prefill server fails the in-flight requests soon (and frees
+# the decode server's quarantined slots), long enough for 32 concurrent streams on 2 cores.
+TIMEOUTS = ("--disaggregation-timeout", "15", "--disaggregation-quarantine-timeout", "3")
 
 
 @pytest.fixture(scope="module", params=["mooncake", "nixl"])
@@ -34,7 +37,7 @@ def cluster(request, tmp_path_factory):
     module = {"mooncake": "mooncake.engine", "nixl": "nixl._api"}[request.param]
     pytest.importorskip(module, reason=f"{request.param} is not installed")
     pytest.importorskip("sglang_router")
-    c = PDCluster(request.param, tmp_path_factory.mktemp(f"pd-{request.param}"))
+    c = PDCluster(request.param, tmp_path_factory.mktemp(f"pd-{request.param}"), *TIMEOUTS)
     yield c
     c.stop()
 
@@ -93,63 +96,54 @@ def wait_idle(server_url: str, timeout: float = 60.0) -> dict:
     raise AssertionError(f"not idle after {timeout} s: {state}")
 
 
-def test_prefill_killed_mid_run(tmp_path) -> None:
-    pytest.importorskip("mooncake.engine")
-    pytest.importorskip("sglang_router")
-    cluster = PDCluster(
-        "mooncake",
-        tmp_path,
-        "--disaggregation-timeout", "10",
-        "--disaggregation-quarantine-timeout", "3",
-    )  # fmt: skip
-    try:
-        long_prompt = "Tell me everything about the history of the sea. " * 60
+@pytest.mark.parametrize("cluster", ["mooncake"], indirect=True)
+def test_prefill_killed_mid_run(cluster: PDCluster) -> None:
+    """Last on its cluster: it kills the prefill server and starts it again."""
+    long_prompt = "Tell me everything about the history of the sea. " * 60
 
-        def one(i: int) -> tuple[int | None, float]:
-            tic = time.monotonic()
-            body = {"text": f"{i} {long_prompt}", "sampling_params": {"max_new_tokens": 64}}
-            try:
-                r = requests.post(cluster.url + "/generate", json=body, timeout=60)
-                code = r.status_code
-            except requests.RequestException:
-                code = None
-            return code, time.monotonic() - tic
+    def one(i: int) -> tuple[int | None, float]:
+        tic = time.monotonic()
+        body = {"text": f"{i} {long_prompt}", "sampling_params": {"max_new_tokens": 64}}
+        try:
+            r = requests.post(cluster.url + "/generate", json=body, timeout=60)
+            code = r.status_code
+        except requests.RequestException:
+            code = None
+        return code, time.monotonic() - tic
 
-        with cf.ThreadPoolExecutor(8) as pool:
-            futures = [pool.submit(one, i) for i in range(8)]
-            time.sleep(0.3)
-            cluster.prefill.proc.kill()  # its children die with it (PR_SET_PDEATHSIG)
-            results = [f.result() for f in futures]
-        assert all(elapsed < 30 for _, elapsed in results), results
-        assert any(code != 200 for code, _ in results), results  # in-flight requests failed
-        decode = cluster.decode.url
-        assert requests.get(decode + "/health", timeout=10).status_code == 200
+    with cf.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(one, i) for i in range(8)]
+        time.sleep(0.3)
+        cluster.prefill.proc.kill()  # its children die with it (PR_SET_PDEATHSIG)
+        results = [f.result() for f in futures]
+    assert all(elapsed < 30 for _, elapsed in results), results
+    assert any(code != 200 for code, _ in results), results  # in-flight requests failed
+    decode = cluster.decode.url
+    assert requests.get(decode + "/health", timeout=10).status_code == 200
+    state = wait_idle(decode)
+    assert state["memory_integrity"]["ok"] is True, state
+    # The dead prefill server never acknowledges the cancels of the requests that timed
+    # out: their announced slots stay quarantined (counted as used) until the bound.
+    deadline = time.monotonic() + 30
+    while state["token_usage"] != 0.0 and time.monotonic() < deadline:
+        time.sleep(0.5)
         state = wait_idle(decode)
-        assert state["memory_integrity"]["ok"] is True, state
-        # The dead prefill server never acknowledges the cancels of the requests that timed
-        # out: their announced slots stay quarantined (counted as used) until the bound.
-        deadline = time.monotonic() + 30
-        while state["token_usage"] != 0.0 and time.monotonic() < deadline:
-            time.sleep(0.5)
-            state = wait_idle(decode)
-        assert state["token_usage"] == 0.0, state
-        assert state["memory_integrity"]["ok"] is True, state
+    assert state["token_usage"] == 0.0, state
+    assert state["memory_integrity"]["ok"] is True, state
 
-        # A prefill server comes back on the same ports: PD traffic flows again and gives
-        # the same tokens as an aggregated run on the decode server itself.
-        cluster.prefill = cluster.start_prefill(port=cluster.prefill.port)
-        expected = generate(decode, TEXTS[8], GREEDY)["output_ids"]
-        deadline = time.monotonic() + 60
-        while True:
-            r = requests.post(
-                cluster.url + "/generate",
-                json={"text": TEXTS[8], "sampling_params": GREEDY},
-                timeout=60,
-            )
-            if r.status_code == 200 or time.monotonic() > deadline:
-                break
-            time.sleep(1)
-        assert r.status_code == 200, r.text
-        assert r.json()["output_ids"] == expected
-    finally:
-        cluster.stop()
+    # A prefill server comes back on the same ports: PD traffic flows again and gives
+    # the same tokens as an aggregated run on the decode server itself.
+    cluster.prefill = cluster.start_prefill(port=cluster.prefill.port)
+    expected = generate(decode, TEXTS[8], GREEDY)["output_ids"]
+    deadline = time.monotonic() + 60
+    while True:
+        r = requests.post(
+            cluster.url + "/generate",
+            json={"text": TEXTS[8], "sampling_params": GREEDY},
+            timeout=60,
+        )
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert r.status_code == 200, r.text
+    assert r.json()["output_ids"] == expected

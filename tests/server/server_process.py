@@ -53,7 +53,11 @@ def alive(pid: int) -> bool:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, log_path: Path | None = None, port: int | None = None) -> None:
+    def __init__(
+        self, *args: str, log_path: Path | None = None, port: int | None = None, wait: bool = True
+    ) -> None:
+        """Start `launch_server` with `args`; unless `wait` is False (then call `wait_ready`),
+        return once it is healthy."""
         self.port = port if port is not None else free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "srt.launch_server", "--port", str(self.port), *args]
@@ -66,7 +70,8 @@ class ServerProcess:
             preexec_fn=die_with_parent,  # noqa: PLW1509 - only a prctl
         )
         self.children: list[int] = []
-        self.wait_ready()
+        if wait:
+            self.wait_ready()
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S

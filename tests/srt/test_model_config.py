@@ -173,11 +173,11 @@ def test_missing_architectures_raises(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_default_model_config(tmp_path: Path) -> None:
+def test_default_model_config() -> None:
     from srt.model_loader.default_model import ModelNotFoundError
 
-    try:
-        cfg = ModelConfig.from_path(None, dtype="float32", cache_dir=str(tmp_path))
+    try:  # the shared converted folder (test_model_loader.py tests converting afresh)
+        cfg = ModelConfig.from_path(None, dtype="float32")
     except ModelNotFoundError:
         pytest.skip("default model not installed")
     assert cfg.architectures == ["LlamaForCausalLM"]
