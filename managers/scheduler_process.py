@@ -124,6 +124,7 @@ class SchedulerServer:
         self.scheduler.raise_on_leak = False
         self.last_stats_time = 0.0
         self.last_stats_tokens = 0
+        self.last_stats_load: tuple[int, int, int] | None = None
         self.watchdog = StepWatchdog(server_args.watchdog_timeout, self.describe_step)
 
     def ready_message(self) -> SchedulerReady:
@@ -147,7 +148,7 @@ class SchedulerServer:
                 self.handle(msg)
             ran = self.scheduler.step()
             idle = self.scheduler.is_idle()
-            self.maybe_send_stats(force=not ran and idle)
+            self.maybe_send_stats(force=idle)  # going idle: report it before the idle poll
             self.watchdog.end()
             if not ran:
                 if not parent_alive(parent_pid):
@@ -183,22 +184,27 @@ class SchedulerServer:
 
     def maybe_send_stats(self, force: bool) -> None:
         """Stats at most every `STATS_INTERVAL_S`, and at once when the scheduler goes idle
-        with something new to report. The idle loop wakes every `IDLE_POLL_MS`, so an idle
-        scheduler still sends one a second: the heartbeat."""
+        with something new to report (tokens, or a load that changed: /get_load reads the
+        last report). The idle loop wakes every `IDLE_POLL_MS`, so an idle scheduler still
+        sends one a second: the heartbeat."""
         now = time.perf_counter()
         elapsed = now - self.last_stats_time
         if elapsed < STATS_INTERVAL_S and not force:
             return
+        s = self.scheduler
+        out = s.output
+        used_tokens = s.kv.total_tokens - s.kv.available_tokens()
+        load = (s.queues.num_running(), len(s.queues.waiting), used_tokens)
         if (
             force
             and elapsed < STATS_INTERVAL_S
-            and self.last_stats_tokens == self.scheduler.output.num_generated_tokens
+            and self.last_stats_tokens == out.num_generated_tokens
+            and self.last_stats_load == load
         ):
             return  # idle and nothing new since the last report
-        s = self.scheduler
-        out = s.output
         tokens = out.num_generated_tokens - self.last_stats_tokens
         self.last_stats_time, self.last_stats_tokens = now, out.num_generated_tokens
+        self.last_stats_load = load
         self.send_to_tokenizer.send_pyobj(
             SchedulerStats(
                 num_running_reqs=s.queues.num_running(),
@@ -210,7 +216,7 @@ class SchedulerServer:
                 max_total_tokens=s.kv.total_tokens,
                 worker_idle_s=out.idle_tracker.idle_s,
                 worker_busy_s=out.idle_tracker.busy_s,
-                num_used_tokens=s.kv.total_tokens - s.kv.available_tokens(),
+                num_used_tokens=used_tokens,
                 num_queued_tokens=s.intake.num_queued_tokens(),  # waiting or compiling
             )
         )

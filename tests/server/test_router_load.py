@@ -133,6 +133,9 @@ def cluster(tmp_path_factory, server):
 def test_load_moves_with_the_queue(cluster) -> None:
     (busy, idle), router = cluster
     ready_log_len = len(router.log_path.read_text())
+    # The router's readiness probes ran here: their report arrives with the scheduler's
+    # next stats, right after it went idle.
+    wait_for(lambda: get_load(busy.url)["num_tokens"] == 0, 10, "the probes' KV to be freed")
     assert get_load(busy.url) == {
         "dp_rank": 0,
         "num_reqs": 0,
