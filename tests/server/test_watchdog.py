@@ -35,6 +35,13 @@ def start_server(log: Path) -> ServerProcess:
     )  # fmt: skip
 
 
+def assert_children_gone(children: list[int], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in children if alive(pid)], "orphaned child processes"
+
+
 def health(url: str) -> int | None:
     try:
         return requests.get(url + "/health", timeout=5).status_code
@@ -66,10 +73,7 @@ def test_hung_forward_fails_health_and_exits_nonzero(tmp_path, monkeypatch) -> N
         assert "Scheduler watchdog: a scheduler step (" in text, text[-4000:]
         assert f"exited unexpectedly (code {WATCHDOG_EXIT_CODE}: its watchdog" in text
         assert "Test hook: forward 1 hangs." in text  # the dumped stack points at the hook
-        deadline = time.monotonic() + 10
-        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not [pid for pid in children if alive(pid)], "orphaned child processes"
+        assert_children_gone(children)
     finally:
         still_running = srv.proc.poll() is None
         srv.stop()  # closes the log; kills the server only if the test failed early
@@ -95,10 +99,7 @@ def test_stopped_scheduler_is_killed_by_the_main_process(tmp_path) -> None:
         rc = srv.proc.wait(WATCHDOG_S + HEARTBEAT_KILL_GRACE_S + SLACK_S)
         assert rc != 0
         assert "exited unexpectedly (killed by the main process: no heartbeat" in log.read_text()
-        deadline = time.monotonic() + 10
-        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not [pid for pid in children if alive(pid)], "orphaned child processes"
+        assert_children_gone(children)
     finally:
         still_running = srv.proc.poll() is None
         srv.stop()
