@@ -51,7 +51,20 @@ class ServerArgs:
         None, "model name in the OpenAI API and metrics; default: the model path's name"
     )
     chat_template: str | None = _opt(
-        None, "chat template: a Jinja file path or the template text; default: the tokenizer's"
+        None,
+        "chat template: a name shipped in srt/chat_templates (smollm2-tools), a Jinja file "
+        "path or the template text; default: the tokenizer's",
+    )
+    tool_call_parser: str | None = _opt(
+        None,
+        "how the model writes tool calls; tool_choice auto (the default when a request has "
+        "tools) needs it, required and a named function do not",
+        _registry_names("srt.function_call:TOOL_PARSERS"),
+    )
+    reasoning_parser: str | None = _opt(
+        None,
+        "split <think>...</think> off into reasoning_content",
+        _registry_names("srt.reasoning_parser:REASONING_PARSERS"),
     )
     skip_tokenizer_init: bool = _opt(False, "no tokenizer: requests carry input_ids only")
     load_format: str = _opt("auto", "weight format", ["auto", "safetensors", "dummy"])

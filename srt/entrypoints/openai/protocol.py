@@ -82,6 +82,8 @@ class SamplingRequest(_Lenient):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
+    # OpenAI: token id (a string, as JSON keys are) -> bias added to its logit, -100..100.
+    logit_bias: dict[str, float] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -137,9 +139,27 @@ class TextContentPart(_Lenient):
     text: str
 
 
+class ToolCallFunctionIn(_Lenient):
+    name: str
+    arguments: str  # JSON text, as OpenAI returns it
+
+
+class ToolCallIn(_Lenient):
+    """A call in an earlier assistant message, sent back in the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunctionIn
+
+
 class ChatMessage(_Lenient):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextContentPart] | None = Field(None, validate_default=True)
+    # Passed to the chat template as they are (it decides what to render).
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call this is the result of
+    reasoning_content: str | None = None  # assistant messages of a reasoning model
 
     @field_validator("content", mode="before")
     @classmethod
@@ -163,8 +183,39 @@ class ChatMessage(_Lenient):
         return "\n".join(part.text for part in self.content)
 
 
+class FunctionDefinition(_Lenient):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Lenient):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # SGLang extras: keyword arguments for the chat template (e.g. {"enable_thinking": false}),
+    # and whether a reasoning parser splits the thinking off (on a server with one).
+    chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool = True
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -232,9 +283,27 @@ class CompletionResponse:
 
 
 @dataclass(slots=True, kw_only=True)
+class FunctionCallOut:
+    name: str | None = None
+    arguments: str | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class ToolCallOut:
+    """`message.tool_calls[i]`; in a stream chunk, `delta.tool_calls[i]` with its `index`."""
+
+    id: str | None = None
+    type: str | None = "function"
+    function: FunctionCallOut
+    index: int | None = None
+
+
+@dataclass(slots=True, kw_only=True)
 class ChatResponseMessage:
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 @dataclass(slots=True, kw_only=True)
@@ -260,6 +329,8 @@ class ChatCompletionResponse:
 class DeltaMessage:
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 @dataclass(slots=True, kw_only=True)
