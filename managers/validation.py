@@ -147,13 +147,25 @@ def prepare_prompt(
     return list(input_ids), params
 
 
+# Chat templates shipped with RadixRT, by name (`--chat-template smollm2-tools`).
+CHAT_TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "srt" / "chat_templates"
+
+
 def load_chat_template(spec: str | None) -> str | None:
-    """`--chat-template`: a path to a Jinja file, or the template text itself."""
+    """`--chat-template`: a shipped template's name, a path to a Jinja file, or the template
+    text itself."""
     if spec is None:
         return None
+    shipped = CHAT_TEMPLATES_DIR / f"{spec}.jinja"
+    if "/" not in spec and shipped.is_file():
+        return shipped.read_text()
     path = Path(spec).expanduser()
     if path.is_file():
         return path.read_text()
     if "{%" in spec or "{{" in spec:
         return spec
-    raise FileNotFoundError(f"--chat-template {spec!r} is neither a file nor a Jinja template")
+    names = sorted(p.stem for p in CHAT_TEMPLATES_DIR.glob("*.jinja"))
+    raise FileNotFoundError(
+        f"--chat-template {spec!r} is neither a shipped template ({', '.join(names)}), a file "
+        "nor a Jinja template"
+    )

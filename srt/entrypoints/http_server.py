@@ -34,6 +34,7 @@ from srt.entrypoints.http_errors import (
 from srt.entrypoints.limits import BodyLimitMiddleware
 from srt.entrypoints.native_protocol import generate_all, parse_generate, stream_all
 from srt.entrypoints.openai.routes import register_openai_routes
+from srt.entrypoints.openai.tool_use import ServerToolConfig
 from srt.entrypoints.sse import SSE_DONE, sse_event, start_sse
 from srt.server_args import ServerArgs
 
@@ -227,6 +228,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         async def metrics() -> Response:
             return Response(tm.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    register_openai_routes(app, tm, server_args.max_batch_size)
+    tools = ServerToolConfig(server_args.tool_call_parser, server_args.reasoning_parser)
+    register_openai_routes(app, tm, server_args.max_batch_size, tools)
     app.add_middleware(BodyLimitMiddleware, max_bytes=server_args.max_request_bytes)
     return app

@@ -25,6 +25,7 @@ from srt.entrypoints.openai.protocol import ModelCard
 from srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from srt.entrypoints.openai.serving_utils import TokenizerManagerLike, check_model, now
+from srt.entrypoints.openai.tool_use import ServerToolConfig
 from srt.server_args import ServerArgs
 
 Handler = Callable[[dict[str, Any], Request], Awaitable[Response]]
@@ -40,10 +41,14 @@ async def _serve(handler: Handler, request: Request) -> Response:
 
 
 def register_openai_routes(
-    app: FastAPI, tm: TokenizerManagerLike, max_batch_size: int = ServerArgs.max_batch_size
+    app: FastAPI,
+    tm: TokenizerManagerLike,
+    max_batch_size: int = ServerArgs.max_batch_size,
+    tools: ServerToolConfig | None = None,
 ) -> None:
     completions = OpenAIServingCompletion(tm, max_batch_size)
-    chat = OpenAIServingChat(tm)  # n alone is held to the limit by the tokenizer manager
+    # n alone is held to the limit by the tokenizer manager
+    chat = OpenAIServingChat(tm, tools)
 
     def model_card() -> ModelCard:
         name = tm.served_model_name
