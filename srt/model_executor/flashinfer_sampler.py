@@ -7,7 +7,8 @@ rejection-sampling kernels avoid the sort and are faster for large vocabularies,
 draw from torch's CUDA generator, so outputs depend on batch composition and are not
 reproducible per request; that is why they are opt-in.
 
-Only the draw of sampled rows changes: penalties, logprobs, greedy rows and the filter
+Only the draw of sampled rows changes: `forward` is the seeded sampler's, so logit_bias,
+penalties and grammar masks (`apply_logits_processing`), logprobs, greedy rows and the filter
 semantics (top_k and top_p both judged on the full distribution: FlashInfer's "joint"
 order) are the seeded sampler's. Batches with min_p or CPU logits fall back to the seeded
 draw. `srt/sampling/registry.py` builds this sampler only on CUDA with flashinfer installed.

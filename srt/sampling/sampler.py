@@ -1,11 +1,13 @@
 """Turn one step's logits into next tokens (and logprobs), batch-composition independent.
 
 Order of operations in `Sampler.forward`:
-  1. penalties and min-token masks (`SamplingBatchInfo.apply_logits_processing`);
-  2. logprobs to return = log_softmax of those penalised logits, BEFORE temperature and
-     filtering: they describe the model's (penalised) distribution, not the sampling
+  1. logit_bias, penalties, min-token and grammar masks
+     (`SamplingBatchInfo.apply_logits_processing`);
+  2. logprobs to return = log_softmax of those processed logits, BEFORE temperature and
+     filtering: they describe the model's (biased, penalised) distribution, not the sampling
      distribution, and they are the same for greedy and sampled requests (OpenAI / SGLang
-     behaviour);
+     behaviour). So a request's logit_bias shows in its returned logprobs (a banned token's
+     is -inf);
   3. greedy rows: argmax;
   4. sampled rows: softmax(logits / T), keep the intersection of top_k, top_p and min_p
      (each judged on that full distribution; the top token is always kept), and draw from

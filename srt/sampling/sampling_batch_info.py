@@ -3,15 +3,25 @@
 `SamplingBatchInfo.from_reqs` reads each request's `SamplingParams`, token history and seed;
 `Sampler.forward` reads only this object and the logits. Penalty state (output token counts,
 the prompt+output "seen" mask) is rebuilt from the token lists with one scatter each, and only
-when some request in the batch actually uses that penalty.
+when some request in the batch actually uses that penalty. The same holds for logit_bias:
+sparse (row, id, value) tensors, built only when some request has a bias.
 
-Penalty semantics (applied in this order, before temperature):
-  1. repetition (HF): for tokens seen in prompt + output, logit > 0 ? logit / rp : logit * rp;
-  2. frequency / presence (OpenAI): logit -= freq * count + presence * (count > 0), where count
+Logits processing (`apply_logits_processing`, in this order, before temperature):
+  1. logit_bias (OpenAI): logit += bias for each listed token of the row; a bias of exactly
+     -100 is a ban (the logit becomes -inf), as OpenAI documents -100 "should result in a
+     ban". First: the bias edits the model's logits, and the steps below act on the result
+     (a penalty scales a biased logit; a masked token stays -inf whatever its bias);
+  2. repetition (HF): for tokens seen in prompt + output, logit > 0 ? logit / rp : logit * rp;
+  3. frequency / presence (OpenAI): logit -= freq * count + presence * (count > 0), where count
      is the token's number of occurrences in the OUTPUT so far;
-  3. min_new_tokens: while len(output_ids) < min_new_tokens, the EOS ids and the request's
-     stop_token_ids get -inf.
-Greedy requests get penalties too (argmax of the penalised logits).
+  4. min_new_tokens: while len(output_ids) < min_new_tokens, the EOS ids and the request's
+     stop_token_ids get -inf;
+  5. grammar: the constrained rows' disallowed tokens get -inf.
+Greedy requests get all of these too (argmax of the processed logits), and the logprobs the
+sampler returns are computed from the processed logits, so they include the bias.
+
+The bias depends on the request's parameters alone (not on its output so far), so it holds on
+every step, the overlap loop's included, without the host waiting for the previous token.
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ from typing import Protocol
 
 import torch
 
-from srt.sampling.sampling_params import SAMPLING_EPS, SamplingParams
+from srt.sampling.sampling_params import MAX_LOGIT_BIAS_VALUE, SAMPLING_EPS, SamplingParams
 
 
 class VocabMaskLike(Protocol):
@@ -54,6 +64,11 @@ class SamplingBatchInfo:
     need_top_k_sampling: bool
     need_min_p_sampling: bool
     has_penalties: bool  # frequency, presence or repetition used by some row
+    # logit_bias: logits[bias_rows[i], bias_ids[i]] += bias_values[i] (-inf for a ban); None
+    # when no row has a bias.
+    bias_rows: torch.Tensor | None = None  # int64 [L]
+    bias_ids: torch.Tensor | None = None  # int64 [L]
+    bias_values: torch.Tensor | None = None  # float32 [L]
     # Penalty state; None when no row uses the penalty.
     frequency_penalties: torch.Tensor | None = None  # float32 [B, 1]
     presence_penalties: torch.Tensor | None = None  # float32 [B, 1]
@@ -113,9 +128,28 @@ class SamplingBatchInfo:
             has_penalties=False,
             vocab_mask=vocab_mask,
         )
+        info._build_logit_bias(params, device)
         info._build_penalties(reqs, device)
         info._build_min_tokens_mask(reqs, output_lens, eos_token_ids, device)
         return info
+
+    def _build_logit_bias(
+        self, params: Sequence[SamplingParams], device: torch.device | str
+    ) -> None:
+        """Sparse bias tensors from normalised, verified `logit_bias` maps (int keys)."""
+        if not any(p.logit_bias for p in params):
+            return
+        rows: list[int] = []
+        ids: list[int] = []
+        values: list[float] = []
+        for i, p in enumerate(params):
+            for token, bias in (p.logit_bias or {}).items():
+                rows.append(i)
+                ids.append(int(token))
+                values.append(float("-inf") if bias <= -MAX_LOGIT_BIAS_VALUE else float(bias))
+        self.bias_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+        self.bias_ids = torch.tensor(ids, dtype=torch.int64, device=device)
+        self.bias_values = torch.tensor(values, dtype=torch.float32, device=device)
 
     def _build_penalties(self, reqs: Sequence[ReqLike], device: torch.device | str) -> None:
         params = [r.sampling_params for r in reqs]
@@ -154,9 +188,21 @@ class SamplingBatchInfo:
             self.min_tokens_ids = torch.tensor(ids, dtype=torch.int64, device=device)
 
     def apply_logits_processing(self, logits: torch.Tensor) -> torch.Tensor:
-        """Penalties, min-token masks and grammar masks. Returns a new tensor when anything applies, else
-        `logits` itself; the caller's tensor is never modified."""
+        """logit_bias, penalties, min-token masks and grammar masks, in the module docstring's
+        order. Returns a new tensor when anything applies, else `logits` itself; the caller's
+        tensor is never modified."""
         fresh = False  # whether `logits` is already our own tensor
+        if self.bias_rows is not None:
+            assert self.bias_ids is not None and self.bias_values is not None
+            device = logits.device
+            # Out of place: one indexed add that also makes the copy the later steps modify.
+            # Keys are unique per row, so `accumulate` only means "add", never "sum twice".
+            logits = logits.index_put(
+                (self.bias_rows.to(device), self.bias_ids.to(device)),
+                self.bias_values.to(device, logits.dtype),
+                accumulate=True,
+            )
+            fresh = True
         if self.repetition_penalties is not None and self.seen_mask is not None:
             rp = self.repetition_penalties
             penalised = torch.where(logits > 0, logits / rp, logits * rp)

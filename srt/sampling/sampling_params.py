@@ -10,8 +10,9 @@ tensors.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 # Below this temperature a request is greedy (argmax), exactly as if top_k were 1.
 SAMPLING_EPS = 1e-6
@@ -23,6 +24,13 @@ MAX_TEMPERATURE = 2.0
 MAX_PENALTY = 2.0  # |frequency_penalty|, |presence_penalty|; repetition_penalty in (0, 2]
 MAX_N = 64
 MAX_STOP_SEQUENCES = 16
+# logit_bias: each value is in [-MAX_LOGIT_BIAS_VALUE, MAX_LOGIT_BIAS_VALUE] (OpenAI's range),
+# and exactly -MAX_LOGIT_BIAS_VALUE bans the token (OpenAI: "should result in a ban").
+MAX_LOGIT_BIAS_VALUE = 100.0
+# At most this many biased tokens per request. OpenAI has allowed 300; we allow more, but
+# bound it because every entry is an element of each decode step's sparse bias tensors and
+# a per-request loop in `SamplingBatchInfo.from_reqs`.
+MAX_LOGIT_BIAS = 1024
 
 
 @dataclass
@@ -44,6 +52,10 @@ class SamplingParams:
     no_stop_trim: bool = False
     n: int = 1
     seed: int | None = None
+    # OpenAI logit_bias: token id -> bias added to its logit before penalties. Sent with
+    # string keys (JSON object keys are strings; `Engine` callers may use ints);
+    # normalize() makes every valid key an int, and an empty map None.
+    logit_bias: dict[int | str, float] | None = None
     # Structured output (carried for the grammar backend; at most one may be set).
     json_schema: str | None = None
     regex: str | None = None
@@ -66,7 +78,9 @@ class SamplingParams:
         return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     def normalize(self) -> None:
-        """Canonicalise in place: `stop` becomes a list, greedy becomes top_k = 1."""
+        """Canonicalise in place: `stop` becomes a list, greedy becomes top_k = 1, and
+        `logit_bias` gets int keys (values stay as sent). Idempotent; assumes `check_types`
+        passed. Keys that are not token ids are kept as sent, for `verify` to refuse."""
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
@@ -76,6 +90,8 @@ class SamplingParams:
         self.stop_str_max_len = max((len(s) for s in self.stop), default=0)
         if self.stop_token_ids is not None:
             self.stop_token_ids = list(self.stop_token_ids)
+        if self.logit_bias is not None:
+            self.logit_bias = _normalized_logit_bias(self.logit_bias)
         if self.temperature < SAMPLING_EPS:
             # Greedy: keep temperature as sent (>= 0) but make the intent explicit.
             self.top_k = 1
@@ -97,6 +113,10 @@ class SamplingParams:
                 isinstance(v, item) and not isinstance(v, bool) for v in value
             ):
                 _bad(name, f"must be a list of {item.__name__}")
+        if isinstance(self.logit_bias, dict) and not all(
+            _is_number(v) for v in self.logit_bias.values()
+        ):
+            _bad("logit_bias", "must map token ids to numbers")
 
     def verify(self, vocab_size: int | None = None) -> None:
         """Raise `InvalidSamplingParam` (a ValueError) naming the first invalid field."""
@@ -134,6 +154,8 @@ class SamplingParams:
             bad_ids = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad_ids:
                 _bad("stop_token_ids", f"{bad_ids} out of vocabulary [0, {vocab_size})")
+        if self.logit_bias is not None:
+            check_logit_bias(self.logit_bias, vocab_size)
         grammars = [
             name for name in ("json_schema", "regex", "ebnf") if getattr(self, name) is not None
         ]
@@ -151,6 +173,53 @@ def check_stop(stop: object) -> None:
         _bad("stop", f"must be at most {MAX_STOP_SEQUENCES} strings, got {len(stops)}")
     if any(s == "" for s in stops):
         _bad("stop", "must not contain an empty string (it would match at once)")
+
+
+def check_logit_bias(bias: object, vocab_size: int | None = None) -> None:
+    """`logit_bias`: a map of at most `MAX_LOGIT_BIAS` token ids (decimal-integer strings, or
+    ints) to numbers in [-100, 100]; ids below `vocab_size` when it is known. The OpenAI
+    request model calls this without a vocabulary, `verify` with one."""
+    if not isinstance(bias, dict):
+        _bad("logit_bias", f"must be an object mapping token ids to numbers, got {bias!r}")
+    if len(bias) > MAX_LOGIT_BIAS:
+        _bad("logit_bias", f"must have at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+    limit = MAX_LOGIT_BIAS_VALUE
+    for key, value in bias.items():
+        token = token_id(key)
+        if token is None:
+            _bad("logit_bias", f"keys must be token ids (decimal integers), got {key!r}")
+        if token < 0:
+            _bad("logit_bias", f"token ids must be non-negative, got {token}")
+        if vocab_size is not None and token >= vocab_size:
+            _bad("logit_bias", f"token id {token} is out of the vocabulary [0, {vocab_size})")
+        if not _is_number(value) or not -limit <= value <= limit:
+            _bad(
+                "logit_bias",
+                f"bias of token {token} must be in [-{limit:g}, {limit:g}], got {value!r}",
+            )
+
+
+def token_id(key: object) -> int | None:
+    """A `logit_bias` key as an int: an int itself, or a string of a decimal integer
+    (ASCII digits, optionally signed, as "50256" or "-1"); None for anything else.
+    Negative ids parse so that the error says "must be non-negative", not "not an id"."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
+    if isinstance(key, str) and _DECIMAL.fullmatch(key):
+        return int(key)
+    return None
+
+
+def _normalized_logit_bias(bias: dict[int | str, float]) -> dict[int | str, float] | None:
+    out: dict[int | str, float] = {}
+    for key, value in bias.items():
+        token = token_id(key)
+        name = key if token is None else token
+        if name in out:
+            # "7" and "07" (or 7 and "7") name one token: which bias was meant is unclear.
+            _bad("logit_bias", f"token id {name} is given more than once")
+        out[name] = value
+    return out or None
 
 
 class InvalidSamplingParam(ValueError):
@@ -181,8 +250,26 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "json_schema": (str,),
     "regex": (str,),
     "ebnf": (str,),
+    "logit_bias": (dict,),
 }
-_OPTIONAL = {"max_new_tokens", "stop", "stop_token_ids", "seed", "json_schema", "regex", "ebnf"}
+_OPTIONAL = {
+    "max_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "seed",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "logit_bias",
+}
+# A decimal token id; the digit cap keeps int() clear of Python's 4300-digit limit (a longer
+# key is refused as not a token id rather than raising an unexpected error).
+_DECIMAL = re.compile(r"[+-]?[0-9]{1,32}")
+
+
+def _is_number(value: object) -> bool:
+    """int or float, not bool (a JSON `true` is not a number)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _type_names(kinds: tuple[type, ...]) -> str:
@@ -191,5 +278,5 @@ def _type_names(kinds: tuple[type, ...]) -> str:
     return " or ".join(k.__name__ for k in kinds)
 
 
-def _bad(name: str, why: str) -> None:
+def _bad(name: str, why: str) -> NoReturn:
     raise InvalidSamplingParam(name, why)
