@@ -85,6 +85,17 @@ class SamplingRequest(_Lenient):
     # OpenAI: token id (a string, as JSON keys are) -> bias added to its logit, -100..100.
     logit_bias: dict[str, float] | None = None
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_entries(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        # /generate's rules (decimal token-id keys, values in [-100, 100], an entry cap);
+        # the vocabulary bound is checked after, by `SamplingParams.verify`.
+        from srt.sampling.sampling_params import check_logit_bias
+
+        if value is not None:
+            check_logit_bias(value)
+        return value
+
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_shape(cls, value: Any) -> Any:

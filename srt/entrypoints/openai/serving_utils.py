@@ -126,6 +126,7 @@ def sampling_params(req: SamplingRequest, max_new_tokens: int | None) -> dict[st
         "stop": req.stop,
         "stop_token_ids": req.stop_token_ids,
         "seed": req.seed,
+        "logit_bias": req.logit_bias,
     }
     params.update({k: v for k, v in optional.items() if v is not None})
     apply_response_format(req.response_format, params)
