@@ -20,6 +20,7 @@ from srt.function_call.core import (
     ToolCallParser,
     ToolSpec,
 )
+from srt.function_call.forced import ForcedToolCallParser, tool_choice_schema
 from srt.utils.registry import Registry
 
 TOOL_PARSERS: Registry[ToolCallParser] = Registry("tool-call parser")
@@ -30,9 +31,11 @@ TOOL_PARSERS.register("mistral", "srt.function_call.mistral:MistralParser")
 
 __all__ = [
     "TOOL_PARSERS",
+    "ForcedToolCallParser",
     "StreamDelta",
     "ToolCall",
     "ToolCallDelta",
     "ToolCallParser",
     "ToolSpec",
+    "tool_choice_schema",
 ]
