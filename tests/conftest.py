@@ -8,8 +8,22 @@ from pathlib import Path
 
 import pytest
 
-# One shared server (the default model, float32, metrics on) for every HTTP test.
-SERVER_ARGS = ("--dtype", "float32", "--max-total-tokens", "32768", "--enable-metrics")
+# One shared server (the default model, float32, metrics on) for every HTTP test. Its chat
+# template renders exactly as the model's own without tools, so tools and reasoning are served
+# by the same server: hermes calls (what the template asks for) and qwen3-style <think>.
+SERVER_ARGS = (
+    "--dtype",
+    "float32",
+    "--max-total-tokens",
+    "32768",
+    "--enable-metrics",
+    "--chat-template",
+    "smollm2-tools",
+    "--tool-call-parser",
+    "hermes",
+    "--reasoning-parser",
+    "qwen3",
+)
 
 
 @pytest.fixture(scope="session")
