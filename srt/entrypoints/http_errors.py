@@ -73,7 +73,8 @@ def sse_error_event(message: str, status_code: int = 500, param: str | None = No
 def request_error_from_validation(
     exc: ValidationError | RequestValidationError,
 ) -> RequestError:
-    """A 400 naming the top-level field of the first validation error."""
+    """A 400 naming the top-level field of the first validation error (an unknown field:
+    "Unrecognized request field `tools.0.foo`", param `tools`)."""
     errors = exc.errors()
     if not errors:
         return RequestError("Invalid request")
@@ -85,8 +86,13 @@ def request_error_from_validation(
         return RequestError(f"Malformed JSON body: {first.get('msg', '')}")
     message = first.get("msg", "invalid value")
     if first.get("type") == "value_error" and "error" in first.get("ctx", {}):
-        message = str(first["ctx"]["error"])  # without pydantic's "Value error, " prefix
+        cause = first["ctx"]["error"]
+        if isinstance(cause, RequestError) and not loc:
+            return cause  # a whole-body check naming its field itself (openai/fields.py)
+        message = str(cause)  # without pydantic's "Value error, " prefix
     where = ".".join(loc)
+    if first.get("type") == "extra_forbidden":
+        return RequestError(f"Unrecognized request field `{where}`", loc[0] if loc else None)
     return RequestError(f"{where}: {message}" if where else message, loc[0] if loc else None)
 
 

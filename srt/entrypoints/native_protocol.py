@@ -4,7 +4,9 @@ the offline `Engine`.
 A body carries `text` or `input_ids`, each a single prompt or a batch, with
 `sampling_params` (one dict for all prompts, or one per prompt), `rid` (str or list),
 `stream`, the logprob options, and `timeout` (seconds) and `priority` (an integer) for the
-whole body (the tokenizer manager checks both). One prompt with n == 1 answers with one object; a batch
+whole body (the tokenizer manager checks both). A top-level field not in `GENERATE_FIELDS`,
+or a `sampling_params` key that is not a `SamplingParams` field, is a 400 naming it: a
+misspelt or unsupported option must not be dropped without a word. One prompt with n == 1 answers with one object; a batch
 or n > 1 answers with a list ordered prompt-major (prompt i, sample j -> i * n + j), and
 streamed items carry that position as "index".
 """
@@ -13,20 +15,81 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
 from managers.errors import RequestError
 from managers.io_struct import GenerateReqInput
 from managers.validation import check_batch_size
+from srt.entrypoints.openai.fields import (
+    FieldTable,
+    accepts,
+    honoured,
+    no_op,
+    refused,
+    screen,
+)
+from srt.sampling.sampling_params import SamplingParams
+
+_TEXT_ONLY = "not supported: this server serves a text-only model"
+
+
+# The top-level fields of a `/generate` body, by SGLang's names. sglang-router's PD mode
+# re-serializes each body from its own request struct, so it adds `model: null`,
+# `log_metrics: true` and `false` for the switches below: those values are accepted.
+GENERATE_FIELDS: FieldTable = {
+    "text": honoured("a prompt or a batch of prompts", "sglang"),
+    "input_ids": honoured("token ids, or a batch of them", "sglang"),
+    "sampling_params": honoured("SamplingParams fields, one dict or one per prompt", "sglang"),
+    "rid": honoured("request id(s), for /abort_request", "sglang"),
+    "stream": honoured("server-sent events", "sglang"),
+    "return_logprob": honoured("logprobs in meta_info", "sglang"),
+    "logprob_start_len": honoured("first prompt position with logprobs", "sglang"),
+    "top_logprobs_num": honoured("top logprobs per position", "sglang"),
+    "return_text_in_logprobs": honoured("token texts in the logprobs", "sglang"),
+    "bootstrap_host": honoured("prefill/decode disaggregation", "sglang"),
+    "bootstrap_port": honoured("prefill/decode disaggregation", "sglang"),
+    "bootstrap_room": honoured("prefill/decode disaggregation", "sglang"),
+    "timeout": honoured("seconds the request may take in all", "sglang"),
+    "priority": honoured("scheduling priority (--enable-priority-scheduling)", "sglang"),
+    "model": no_op(str | None, "a router's model name; this server serves one model", "sglang"),
+    "log_metrics": no_op(
+        bool, "SGLang's per-request metrics switch; no effect on output", "sglang"
+    ),
+    "no_logs": no_op(bool, "SGLang's request-logging switch; no effect on the output", "sglang"),
+    "lora_path": refused("not supported: this server serves no LoRA adapters", origin="sglang"),
+    "image_data": refused(_TEXT_ONLY, origin="sglang"),
+    "audio_data": refused(_TEXT_ONLY, origin="sglang"),
+    "video_data": refused(_TEXT_ONLY, origin="sglang"),
+    "input_embeds": refused("not supported: send text or input_ids", origin="sglang"),
+    "data_parallel_rank": refused("not supported: no data parallelism", origin="sglang"),
+    "custom_logit_processor": refused("not supported: no custom logit processors", origin="sglang"),
+    **{
+        name: refused(f"not supported: {what}", accepts(False), origin="sglang")
+        for name, what in (
+            ("return_hidden_states", "hidden states are not returned"),
+            ("return_bytes", "token bytes are not returned"),
+            ("return_entropy", "entropies are not returned"),
+            ("background", "no background requests"),
+        )
+    },
+}
+
+# Keys a `sampling_params` dict may have: the dataclass's fields (so a field added there is
+# accepted here at once), less the one `normalize()` computes.
+SAMPLING_PARAM_KEYS = frozenset(
+    f.name for f in dataclasses.fields(SamplingParams) if f.name != "stop_str_max_len"
+)
 
 
 def parse_generate(body: Any, max_batch_size: int) -> tuple[list[GenerateReqInput], bool]:
     """Split a body into one `GenerateReqInput` per prompt; also return whether it was a
-    batch. Unknown fields are ignored. A body whose prompts times n exceed `max_batch_size`
+    batch. Unknown fields are refused. A body whose prompts times n exceed `max_batch_size`
     (`--max-batch-size`) is refused."""
     if not isinstance(body, dict):
         raise RequestError("The request body must be a JSON object.")
+    body = screen(GENERATE_FIELDS, {}, body, nested=False)
     text, input_ids = body.get("text"), body.get("input_ids")
     if text is None and input_ids is None:
         raise RequestError("Give `text` or `input_ids`.", param="text")
@@ -46,6 +109,10 @@ def parse_generate(body: Any, max_batch_size: int) -> tuple[list[GenerateReqInpu
     # Counted once before building the prompts' objects (n >= 1), once after with each n.
     check_batch_size(len(prompts), len(prompts), max_batch_size, prompt_field)
     params = _per_prompt(body.get("sampling_params"), len(prompts), "sampling_params", dict)
+    for prompt_params in params:
+        for key in prompt_params or {}:
+            if key not in SAMPLING_PARAM_KEYS:
+                raise RequestError(f"Unrecognized sampling parameter `{key}`", param=key)
     rids = _per_prompt(body.get("rid"), len(prompts), "rid", str)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):

@@ -166,6 +166,11 @@ def test_flush_cache_then_no_cached_tokens(url: str) -> None:
     assert post(url, "/generate", body).json()["meta_info"]["cached_tokens"] == 0
 
 
-def test_unknown_fields_are_ignored(url: str) -> None:
-    body = {"text": "Hi", "sampling_params": {**GREEDY, "whatever": 1}, "extra_field": [1, 2]}
-    assert post(url, "/generate", body).status_code == 200
+def test_unknown_fields_are_refused(url: str) -> None:
+    """A misspelt or unsupported option is a 400 naming it, not silently dropped."""
+    for body, param in (
+        ({"text": "Hi", "sampling_params": {**GREEDY, "whatever": 1}}, "whatever"),
+        ({"text": "Hi", "sampling_params": GREEDY, "extra_field": [1, 2]}, "extra_field"),
+    ):
+        r = post(url, "/generate", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -1,20 +1,40 @@
 """OpenAI request models (pydantic, validated) and response shapes (dataclasses for orjson).
 
-Unknown request fields are ignored, as OpenAI clients send fields we do not implement.
-Known fields are strict, as on `/generate`: no string -> number / bool coercion, and an int
-field takes no float (not even 2.0). Range checks live here so a bad value is a 400 naming
-its field before any tokenization; the bounds are the constants `SamplingParams.verify` and
-`managers/validation.py` enforce, so both paths accept and refuse the same values.
+Every request field is honoured, accepted as a documented no-op, or refused with a 400 that
+says why, as the tables of `fields.py` say (applied by each model's `_screen_fields`); a
+field in no table is unrecognized, a 400 too. Known fields are strict, as on `/generate`:
+no string -> number / bool coercion, and an int field takes no float (not even 2.0). Range
+checks live here so a bad value is a 400 naming its field before any tokenization; the
+bounds are the constants `SamplingParams.verify` and `managers/validation.py` enforce, so
+both paths accept and refuse the same values.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from managers.validation import MAX_TOP_LOGPROBS
+from srt.entrypoints.openai.fields import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    CONTENT_PART_TYPES,
+    MESSAGE_FIELDS,
+    STREAM_OPTIONS_FIELDS,
+    TEXT_PART_FIELDS,
+    FieldTable,
+    Treatment,
+    screen,
+)
 from srt.sampling.sampling_params import (
     MAX_N,
     MAX_PENALTY,
@@ -24,25 +44,41 @@ from srt.sampling.sampling_params import (
 )
 
 
-class _Lenient(BaseModel):
-    """Unknown fields ignored; known fields strictly typed."""
+class _Strict(BaseModel):
+    """Known fields strictly typed; a field the model does not declare is refused. A model
+    with a `field_table` first screens its input with it (no-op fields are dropped there,
+    refused ones raise), so `extra="forbid"` only sees what no table names."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    field_table: ClassVar[FieldTable | None] = None
+    top_level: ClassVar[bool] = False  # a whole request body: errors name the field itself
+
+    @model_validator(mode="before")
+    @classmethod
+    def _screen_fields(cls, data: Any) -> Any:
+        if cls.field_table is None:
+            return data
+        return screen(cls.field_table, cls.model_fields, data, nested=not cls.top_level)
 
 
-class StreamOptions(_Lenient):
+class StreamOptions(_Strict):
+    field_table = STREAM_OPTIONS_FIELDS
+
     include_usage: bool = False
 
 
-class ResponseFormat(_Lenient):
+class ResponseFormat(_Strict):
     """`text`, `json_object` (any JSON object), or `json_schema` with `{"schema": {...}}`."""
 
     type: str
     json_schema: dict[str, Any] | None = None
 
 
-class SamplingRequest(_Lenient):
+class SamplingRequest(_Strict):
     """Fields shared by completions and chat: OpenAI sampling plus SGLang extras."""
+
+    top_level = True
 
     # Prefill/decode disaggregation, as sglang-router's PD mode sends them.
     bootstrap_host: str | None = None
@@ -71,7 +107,11 @@ class SamplingRequest(_Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
-    user: str | None = None
+    # SGLang extras of structured output, as `/generate`'s sampling params take them (at
+    # most one, and not with a response_format that constrains the output).
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: str | None = None  # a JSON schema, as a string
     # SGLang extras, passed through under their native names.
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -116,6 +156,8 @@ PromptField = str | list[str] | list[int] | list[list[int]]
 
 
 class CompletionRequest(SamplingRequest):
+    field_table = COMPLETION_FIELDS
+
     prompt: PromptField
     # OpenAI's default for the legacy completions endpoint.
     max_tokens: int | None = Field(16, ge=0)
@@ -145,25 +187,32 @@ def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-class TextContentPart(_Lenient):
+class TextContentPart(_Strict):
+    field_table = TEXT_PART_FIELDS
+
     type: Literal["text"]
     text: str
 
 
-class ToolCallFunctionIn(_Lenient):
+class ToolCallFunctionIn(_Strict):
     name: str
     arguments: str  # JSON text, as OpenAI returns it
 
 
-class ToolCallIn(_Lenient):
+class ToolCallIn(_Strict):
     """A call in an earlier assistant message, sent back in the conversation."""
 
     id: str
     type: Literal["function"] = "function"
     function: ToolCallFunctionIn
+    # A streamed call's position, as a client that accumulated a stream sends it back: no
+    # effect (the list order is the calls' order).
+    index: int | None = None
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(_Strict):
+    field_table = MESSAGE_FIELDS
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextContentPart] | None = Field(None, validate_default=True)
     # Passed to the chat template as they are (it decides what to render).
@@ -179,11 +228,19 @@ class ChatMessage(_Lenient):
             raise ValueError("content is required except for assistant messages")
         if value is None or isinstance(value, str):
             return value
+        for part in value if isinstance(value, list) else []:
+            kind = part.get("type") if isinstance(part, dict) else None
+            rule = CONTENT_PART_TYPES.get(kind) if isinstance(kind, str) else None
+            if rule is not None and rule.treatment is Treatment.REFUSED:
+                raise ValueError(f"content part type `{kind}`: {rule.why}")
         if isinstance(value, list) and all(
             isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
             for p in value
         ):
-            return value
+            # Screened here: in the str | list union, pydantic's own error would be the
+            # str member's ("should be a valid string"), not the part's field.
+            fields = TextContentPart.model_fields
+            return [screen(TEXT_PART_FIELDS, fields, p, nested=True) for p in value]
         raise ValueError('content must be a string or a list of {"type": "text", "text"} parts')
 
     def text(self) -> str:
@@ -194,23 +251,23 @@ class ChatMessage(_Lenient):
         return "\n".join(part.text for part in self.content)
 
 
-class FunctionDefinition(_Lenient):
+class FunctionDefinition(_Strict):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ToolDefinition(_Lenient):
+class ToolDefinition(_Strict):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(_Lenient):
+class NamedFunction(_Strict):
     name: str
 
 
-class NamedToolChoice(_Lenient):
+class NamedToolChoice(_Strict):
     type: Literal["function"]
     function: NamedFunction
 
@@ -219,6 +276,8 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(SamplingRequest):
+    field_table = CHAT_FIELDS
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
@@ -301,12 +360,22 @@ class FunctionCallOut:
 
 @dataclass(slots=True, kw_only=True)
 class ToolCallOut:
-    """`message.tool_calls[i]`; in a stream chunk, `delta.tool_calls[i]` with its `index`."""
+    """`message.tool_calls[i]`."""
 
-    id: str | None = None
-    type: str | None = "function"
+    id: str
+    type: str = "function"
     function: FunctionCallOut
-    index: int | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class DeltaToolCall:
+    """`delta.tool_calls[i]` of a stream chunk: the first piece of call `index` carries its
+    id, type and name; later pieces only argument fragments."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionCallOut
 
 
 @dataclass(slots=True, kw_only=True)
@@ -341,7 +410,7 @@ class DeltaMessage:
     role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
-    tool_calls: list[ToolCallOut] | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 @dataclass(slots=True, kw_only=True)

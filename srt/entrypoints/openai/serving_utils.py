@@ -129,7 +129,20 @@ def sampling_params(req: SamplingRequest, max_new_tokens: int | None) -> dict[st
         "logit_bias": req.logit_bias,
     }
     params.update({k: v for k, v in optional.items() if v is not None})
+    # One grammar at most, as on /generate: response_format (unless text) or SGLang's
+    # regex / ebnf / json_schema. A second one is refused by name rather than one winning.
+    sglang = {name: getattr(req, name) for name in ("regex", "ebnf", "json_schema")}
+    grammars = [name for name, value in sglang.items() if value is not None]
+    if req.response_format is not None and req.response_format.type != "text":
+        grammars.insert(0, "response_format")
+    if len(grammars) > 1:
+        raise RequestError(
+            "At most one of response_format (json_object or json_schema), regex, ebnf and "
+            f"json_schema may constrain the output; got {', '.join(grammars)}",
+            grammars[1],
+        )
     apply_response_format(req.response_format, params)
+    params.update({name: value for name, value in sglang.items() if value is not None})
     return params
 
 
