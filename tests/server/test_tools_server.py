@@ -135,7 +135,7 @@ def test_named_tool_call_streamed_equals_full(client: openai.OpenAI, temperature
     assert calls == [{"name": "tool_3", "arguments": call.function.arguments}]
 
 
-def test_parallel_tool_calls_false_gives_one_call(client: openai.OpenAI) -> None:
+def test_parallel_tool_calls_false_gives_one_call_per_choice(client: openai.OpenAI) -> None:
     out = client.chat.completions.create(
         model=MODEL,
         messages=ASK,
@@ -144,9 +144,13 @@ def test_parallel_tool_calls_false_gives_one_call(client: openai.OpenAI) -> None
         parallel_tool_calls=False,
         temperature=0.8,
         seed=3,
+        n=2,
         max_tokens=200,
     )
-    assert len(out.choices[0].message.tool_calls) == 1
+    assert len(out.choices) == 2
+    for choice in out.choices:
+        [call] = choice.message.tool_calls
+        _check_call(call.function.name, call.function.arguments)
 
 
 def test_tool_choice_none_never_calls(client: openai.OpenAI) -> None:
@@ -202,29 +206,22 @@ def test_auto_reads_hermes_calls_and_text_around_them(client: openai.OpenAI, str
 
 
 def test_conversation_with_a_tool_result_continues(client: openai.OpenAI) -> None:
-    messages = [
-        *ASK,
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "tool_0", "arguments": '{"city": "Paris"}'},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 degrees."},
-    ]
+    """The usual client loop: the assistant message object goes back as it came (the client
+    serializes the fields the server sent), then the tool's result."""
+    named = {"type": "function", "function": {"name": "tool_0"}}
+    first = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice=named, temperature=0, max_tokens=40
+    )
+    message = first.choices[0].message
+    [call] = message.tool_calls
+    result = {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 degrees."}
     out = client.chat.completions.create(
-        model=MODEL, messages=messages, tools=TOOLS, temperature=0, max_tokens=12
+        model=MODEL, messages=[*ASK, message, result], tools=TOOLS, temperature=0, max_tokens=12
     )
     choice = out.choices[0]
     assert choice.message.content and choice.finish_reason in ("stop", "length")
     # The call and its result are in the prompt: it is longer than the question alone.
-    alone = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=1)
-    assert out.usage.prompt_tokens > alone.usage.prompt_tokens + 20
+    assert out.usage.prompt_tokens > first.usage.prompt_tokens + 20
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -28,9 +28,9 @@ from typing import Any
 from managers.errors import RequestError
 from srt.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    DeltaToolCall,
     FunctionCallOut,
     NamedToolChoice,
-    ToolCallOut,
 )
 from srt.function_call import TOOL_PARSERS, ToolCallDelta, ToolCallParser, ToolSpec
 from srt.reasoning_parser import REASONING_PARSERS, ReasoningParser
@@ -230,16 +230,16 @@ class ChoiceReader:
             piece.calls.extend(rest.calls)
         return piece
 
-    def call_outs(self, deltas: list[ToolCallDelta]) -> list[ToolCallOut]:
+    def call_outs(self, deltas: list[ToolCallDelta]) -> list[DeltaToolCall]:
         """Stream pieces -> `delta.tool_calls` entries: the first of a call carries its id,
         type and name; later ones argument fragments."""
-        outs: list[ToolCallOut] = []
+        outs: list[DeltaToolCall] = []
         for d in deltas:
             first = d.index not in self.call_ids
             if first:
                 self.call_ids[d.index] = new_call_id()
             outs.append(
-                ToolCallOut(
+                DeltaToolCall(
                     id=self.call_ids[d.index] if first else None,
                     type="function" if first else None,
                     index=d.index,
