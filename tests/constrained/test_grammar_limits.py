@@ -24,7 +24,7 @@ from managers.errors import RequestError
 from managers.req import Req
 from managers.scheduler.grammar_queue import GrammarQueue
 from managers.validation import check_grammar
-from srt.entrypoints.openai.serving_utils import name_response_format
+from srt.entrypoints.openai.serving_utils import name_grammar_field
 from srt.sampling.sampling_params import SamplingParams
 from tests.constrained.helpers import AcceptAllMatcher
 
@@ -175,16 +175,16 @@ def test_regex_and_ebnf_are_not_parsed_as_json_and_invalid_json_is_left_to_the_c
         assert check_grammar_limits(field, spec, LIMITS).bytes == len(spec)
 
 
-def test_validation_names_the_field_and_openai_names_response_format() -> None:
+def test_validation_names_the_field_and_openai_names_the_schema_source() -> None:
     params = SamplingParams(json_schema=nested(30))
     with pytest.raises(RequestError) as info:
         check_grammar(params, LIMITS)
     assert info.value.param == "json_schema" and info.value.status_code == 400
-    assert name_response_format(info.value).param == "response_format"
+    assert name_grammar_field(info.value, "tools").param == "tools"
     with pytest.raises(RequestError) as info:
         check_grammar(SamplingParams(regex="a" * 70_000), LIMITS)
     assert info.value.param == "regex"
-    assert name_response_format(info.value).param == "regex"  # not from response_format
+    assert name_grammar_field(info.value, "tools").param == "regex"  # not from the schema
     check_grammar(SamplingParams(regex="[0-9]+"), LIMITS)
 
 

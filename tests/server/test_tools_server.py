@@ -244,6 +244,13 @@ def test_reasoning_content_is_split_off(client: openai.OpenAI, stream: bool) -> 
     assert message.content == "<think>x</think>y" and message.reasoning_content is None
 
 
+def _deep_tool(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return {"type": "function", "function": {"name": "deep", "parameters": schema}}
+
+
 def test_bad_tool_requests_name_their_field(client: openai.OpenAI) -> None:
     cases = [
         ({"tool_choice": "required"}, "tool_choice"),  # no tools
@@ -256,6 +263,9 @@ def test_bad_tool_requests_name_their_field(client: openai.OpenAI) -> None:
             {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
             "response_format",
         ),
+        # A forced choice's grammar is held to the grammar limits like any other, and the
+        # refusal names the field it came from (nesting over --grammar-max-depth 20).
+        ({"tools": [_deep_tool(25)], "tool_choice": "required"}, "tools"),
     ]
     for extra, param in cases:
         with pytest.raises(openai.BadRequestError) as err:

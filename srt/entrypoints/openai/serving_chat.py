@@ -104,7 +104,8 @@ class OpenAIServingChat:
         )
         gens = [self.tm.generate_request(obj, raw_request)]
         if req.stream:
-            return await sse_response(self._chunks(req, tool_use, gens, response_id))
+            chunks = self._chunks(req, tool_use, gens, response_id)
+            return await sse_response(chunks, tool_use.schema_source(req))
         return await self._full_response(req, tool_use, gens, response_id)
 
     def apply_chat_template(self, req: ChatCompletionRequest, tool_use: ToolUse) -> str:
@@ -133,7 +134,7 @@ class OpenAIServingChat:
         gens: list[AsyncGenerator[dict[str, Any], None]],
         response_id: str,
     ) -> Response:
-        finals = await collect_final(gens, req.n)
+        finals = await collect_final(gens, req.n, tool_use.schema_source(req))
         usage = UsageTracker()
         choices = []
         for (_, index), out in sorted(finals.items()):

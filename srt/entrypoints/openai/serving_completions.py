@@ -29,6 +29,7 @@ from srt.entrypoints.openai.serving_utils import (
     check_model,
     collect_final,
     finish_reason,
+    json_schema_source,
     merge_outputs,
     now,
     sampling_params,
@@ -66,7 +67,8 @@ class OpenAIServingCompletion:
         ]
         prompt_texts = [self._prompt_text(p) for p in prompts] if req.echo else []
         if req.stream:
-            return await sse_response(self._chunks(req, gens, response_id, prompt_texts))
+            chunks = self._chunks(req, gens, response_id, prompt_texts)
+            return await sse_response(chunks, json_schema_source(req))
         return await self._full_response(req, gens, response_id, prompt_texts)
 
     def _request_input(
@@ -106,7 +108,7 @@ class OpenAIServingCompletion:
         response_id: str,
         prompt_texts: list[str],
     ) -> Response:
-        finals = await collect_final(gens, req.n)
+        finals = await collect_final(gens, req.n, json_schema_source(req))
         usage = UsageTracker()
         choices = []
         for (i, j), out in sorted(finals.items()):

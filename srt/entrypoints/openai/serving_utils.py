@@ -96,11 +96,17 @@ def apply_response_format(fmt: ResponseFormat | None, params: dict[str, Any]) ->
     )
 
 
-def name_response_format(err: RequestError) -> RequestError:
-    """A refusal of the grammar names the field the client sent: on these routes the
-    `json_schema` sampling parameter comes from `response_format`."""
+def json_schema_source(req: SamplingRequest) -> str:
+    """The request field a `json_schema` sampling parameter came from (the chat route passes
+    "tools" instead when a forced tool choice built it)."""
+    return "json_schema" if getattr(req, "json_schema", None) is not None else "response_format"
+
+
+def name_grammar_field(err: RequestError, source: str) -> RequestError:
+    """A refusal of the grammar names the field the client sent: the `json_schema` sampling
+    parameter comes from `source` (`json_schema_source`)."""
     if err.param == "json_schema":
-        err.param = "response_format"
+        err.param = source
     return err
 
 
@@ -219,23 +225,26 @@ async def merge_outputs(
 
 
 async def collect_final(
-    gens: list[AsyncGenerator[dict[str, Any], None]], n: int
+    gens: list[AsyncGenerator[dict[str, Any], None]], n: int, schema_source: str
 ) -> dict[tuple[int, int], dict[str, Any]]:
-    """Non-streaming: the final output of every (prompt index, sample index)."""
+    """Non-streaming: the final output of every (prompt index, sample index). A grammar
+    refusal names `schema_source` (see `name_grammar_field`)."""
     finals: dict[tuple[int, int], dict[str, Any]] = {}
     try:
         async with contextlib.aclosing(merge_outputs(gens)) as outputs:
             async for i, out in outputs:
                 finals[(i, out.get("index", 0))] = out
     except RequestError as err:
-        name_response_format(err)
+        name_grammar_field(err, schema_source)
         raise
     if len(finals) != len(gens) * n:
         raise RequestError(f"expected {len(gens) * n} outputs, got {len(finals)}", None, 500)
     return finals
 
 
-async def _sse(chunks: AsyncGenerator[Any, None]) -> AsyncGenerator[bytes, None]:
+async def _sse(
+    chunks: AsyncGenerator[Any, None], schema_source: str
+) -> AsyncGenerator[bytes, None]:
     started = False
     async with contextlib.aclosing(chunks):
         try:
@@ -243,7 +252,7 @@ async def _sse(chunks: AsyncGenerator[Any, None]) -> AsyncGenerator[bytes, None]
                 started = True
                 yield sse_event(chunk)
         except RequestError as err:
-            name_response_format(err)
+            name_grammar_field(err, schema_source)
             if not started:
                 raise
             yield sse_error_event(err.message, err.status_code, err.param)
@@ -255,7 +264,7 @@ async def _sse(chunks: AsyncGenerator[Any, None]) -> AsyncGenerator[bytes, None]
     yield SSE_DONE
 
 
-async def sse_response(chunks: AsyncGenerator[Any, None]) -> Response:
+async def sse_response(chunks: AsyncGenerator[Any, None], schema_source: str) -> Response:
     """SSE of `chunks`; an error before the first chunk is a plain JSON error response, unless
     the request is still queued after `FIRST_EVENT_WAIT_S` (see `srt/entrypoints/sse.py`)."""
-    return await start_sse(_sse(chunks))
+    return await start_sse(_sse(chunks, schema_source))

@@ -32,6 +32,7 @@ from srt.entrypoints.openai.protocol import (
     FunctionCallOut,
     NamedToolChoice,
 )
+from srt.entrypoints.openai.serving_utils import json_schema_source
 from srt.function_call import TOOL_PARSERS, ToolCallDelta, ToolCallParser, ToolSpec
 from srt.reasoning_parser import REASONING_PARSERS, ReasoningParser
 
@@ -121,6 +122,10 @@ class ToolUse:
             params["json_schema"] = json.dumps(tool_choice_schema(self.specs, named, parallel))
         elif self.parser is not None and TOOL_PARSERS.get(self.parser).needs_special_tokens:
             params["skip_special_tokens"] = False
+
+    def schema_source(self, req: ChatCompletionRequest) -> str:
+        """The request field a grammar refusal names: `tools` when they built it."""
+        return "tools" if self.forced is not None else json_schema_source(req)
 
     def reader(self) -> ChoiceReader:
         tools: ToolCallParser | None = None
