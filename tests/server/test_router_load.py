@@ -134,14 +134,10 @@ def test_load_moves_with_the_queue(cluster) -> None:
     (busy, idle), router = cluster
     ready_log_len = len(router.log_path.read_text())
     # The router's readiness probes ran here: their report arrives with the scheduler's
-    # next stats, right after it went idle.
-    wait_for(lambda: get_load(busy.url)["num_tokens"] == 0, 10, "the probes' KV to be freed")
-    assert get_load(busy.url) == {
-        "dp_rank": 0,
-        "num_reqs": 0,
-        "num_waiting_reqs": 0,
-        "num_tokens": 0,
-    }
+    # next stats, right after it went idle. (A probe's response can reach the client ~0.1 s
+    # before the scheduler's next stats drop it from the running count; its KV goes first.)
+    zero = {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+    wait_for(lambda: get_load(busy.url) == zero, 10, "the probes to leave the load")
 
     # Six long requests straight to one server that runs one at a time: five wait.
     body = {
