@@ -21,7 +21,8 @@ buffers as `[pages, page_size, Hkv, D]` ("NHD") and calls the planned wrapper.
 CUDA graphs: one decode wrapper per captured batch size (`use_cuda_graph=True`) over
 persistent indptr / indices / last_page_len buffers shared by all of them; replay re-plans
 the same wrapper, which rewrites those buffers in place. One float workspace, allocated
-once, serves every wrapper (they never run at the same time). `flashinfer` is imported
+once and zeroed, serves every wrapper (they never run at the same time); every wrapper runs
+FlashInfer's FA2 kernels (`FLASHINFER_KERNELS`). `flashinfer` is imported
 when the backend is built; the registry imports this module only when it is chosen.
 """
 
@@ -52,6 +53,11 @@ logger = logging.getLogger(__name__)
 # more than the 128 MiB of its examples.
 WORKSPACE_BYTES = 256 << 20
 KV_LAYOUT = "NHD"
+# Every wrapper is pinned to FlashInfer's FA2 kernels. With "auto", FlashInfer 0.7.2 picks
+# FA3 for prefill on SM90 (H100 / H200) but FA2 for tensor-core decode: two heavy JIT
+# modules per head_dim, compiled on first use, where one serves both. FA3 has not been
+# measured faster on our workloads; revisit this only with a benchmark that shows it is.
+FLASHINFER_KERNELS = "fa2"
 
 
 class PlanKind(enum.Enum):
@@ -100,22 +106,31 @@ class FlashInferAttnBackend(AttentionBackend):
         if decode_tensor_cores is None:
             decode_tensor_cores = decode_use_tensor_cores(num_heads, num_kv_heads)
         self.decode_tensor_cores = decode_tensor_cores
-        self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
+        # Zeros, not empty: FlashInfer documents that the float workspace "must be
+        # initialized to 0 for its first use" (BatchDecodeWithPagedKVCacheWrapper; the
+        # prefill wrappers share this buffer); torch.empty would hand it whatever the
+        # caching allocator last kept in that memory. Once, at start-up: cheap.
+        self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=device)
         self.ragged_prefill = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
-            self.workspace, KV_LAYOUT
+            self.workspace, KV_LAYOUT, backend=FLASHINFER_KERNELS
         )
         self.paged_prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, KV_LAYOUT
+            self.workspace, KV_LAYOUT, backend=FLASHINFER_KERNELS
         )
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, KV_LAYOUT, use_tensor_cores=decode_tensor_cores
+            self.workspace,
+            KV_LAYOUT,
+            use_tensor_cores=decode_tensor_cores,
+            backend=FLASHINFER_KERNELS,
         )
         self._graph_wrappers: dict[int, Any] = {}
         self._graph_indptr: torch.Tensor | None = None
         self._graph_indices: torch.Tensor | None = None
         self._graph_last_page_len: torch.Tensor | None = None
         logger.info(
-            "flashinfer backend: page size %d, decode tensor cores %s, workspace %d MiB",
+            "flashinfer backend: %s kernels, page size %d, decode tensor cores %s, "
+            "workspace %d MiB",
+            FLASHINFER_KERNELS,
             page_size,
             decode_tensor_cores,
             workspace_bytes >> 20,
@@ -243,6 +258,7 @@ class FlashInferAttnBackend(AttentionBackend):
             paged_kv_indptr_buffer=self._graph_indptr[: bs + 1],
             paged_kv_indices_buffer=self._graph_indices,
             paged_kv_last_page_len_buffer=self._graph_last_page_len[:bs],
+            backend=FLASHINFER_KERNELS,
         )
         self._graph_wrappers[bs] = wrapper
         self._plan_decode(wrapper, forward_batch)

@@ -9,6 +9,17 @@ always filled by then). Results come back in launch order through a queue; a res
 there only once its token lists are on the host, which is the copy-done point (on a GPU the
 `.tolist()` in the worker waits for the forward's stream).
 
+Streams (CUDA only): the scheduler thread builds each batch on its own current stream (the
+default one): it writes `req_to_token` and copies the new KV slots (`out_cache_loc`) to the
+device with `non_blocking=True`. The forward thread runs on a stream of its own, so nothing
+orders its kernels after those writes. `launch` therefore records a CUDA event on the
+scheduler's stream once the batch is built, and the forward thread makes its stream wait on
+that event before it starts the forward (a device-side wait: neither thread blocks). The
+other direction needs no event: every result the scheduler reads is a host list, made by
+`.tolist()` on the forward stream, which blocks the forward thread until the forward's
+kernels are done, and the thread drops the batch's tensors only after that, so no block the
+scheduler's stream frees is still read by the forward stream.
+
 The thread also measures how long it sat waiting for the scheduler between two forwards.
 """
 
@@ -30,6 +41,15 @@ FUTURE_MAP_BATCHES = 8
 
 
 @dataclass(slots=True)
+class Launch:
+    """A batch handed to the forward thread."""
+
+    mwb: ModelWorkerBatch
+    first: int  # its first future_map slot
+    built: Any = None  # CUDA: the torch.cuda.Event the forward stream waits on; CPU: None
+
+
+@dataclass(slots=True)
 class LaunchedForward:
     result: GenerationBatchResult | None = None
     error: BaseException | None = None
@@ -44,11 +64,12 @@ class OverlapWorker:
         self.size = FUTURE_MAP_BATCHES * (max_batch_size + 1) + 1
         self.future_map = torch.zeros(self.size, dtype=torch.int64)
         self.next_slot = 1  # slot 0 is never named: -0 is not a placeholder
-        self.inputs: queue.Queue[tuple[ModelWorkerBatch, int] | None] = queue.Queue()
+        self.inputs: queue.Queue[Launch | None] = queue.Queue()
         self.outputs: queue.Queue[LaunchedForward] = queue.Queue()
+        device = torch.device(getattr(worker, "device", "cpu"))
+        self.device = device
         # The thread holds only a weak reference, so a dropped scheduler frees its model and
         # KV pool; the finalizer then ends the thread.
-        device = torch.device(getattr(worker, "device", "cpu"))
         self.thread = threading.Thread(
             target=_forward_loop,
             args=(weakref.ref(self), self.inputs, self.outputs, device),
@@ -69,8 +90,19 @@ class OverlapWorker:
             self.next_slot = 1
         first = self.next_slot
         self.next_slot += n
-        self.inputs.put((mwb, first))
+        self.inputs.put(Launch(mwb, first, self._record_built()))
         return list(range(-first, -first - n, -1))
+
+    def _record_built(self) -> Any:
+        """On CUDA, an event on the scheduler's current stream marking that the batch's
+        device writes (req_to_token rows, the non-blocking out_cache_loc copy) are queued;
+        the forward stream waits on it (module doc). None on CPU, where every write is done
+        when it returns."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     def wait_result(self) -> LaunchedForward:
         """The oldest launched forward's result (blocks until it is done)."""
@@ -102,13 +134,16 @@ class OverlapWorker:
 
 def _forward_loop(
     owner_ref: weakref.ref[OverlapWorker],
-    inputs: queue.Queue[tuple[ModelWorkerBatch, int] | None],
+    inputs: queue.Queue[Launch | None],
     outputs: queue.Queue[LaunchedForward],
     device: torch.device,
 ) -> None:
+    stream = None
     if device.type == "cuda":
-        # Forwards go on a stream of their own, off the scheduler's default stream.
-        torch.cuda.set_stream(torch.cuda.Stream(device))
+        # Forwards go on a stream of their own, off the scheduler's default stream (the
+        # current stream is per thread, so this changes only this thread's).
+        stream = torch.cuda.Stream(device)
+        torch.cuda.set_stream(stream)
     last_end = time.perf_counter()
     while (item := inputs.get()) is not None:
         owner = owner_ref()
@@ -116,7 +151,10 @@ def _forward_loop(
             return
         start = time.perf_counter()
         done = LaunchedForward(wait_s=start - last_end)
-        owner.run_one(*item, done)
+        if stream is not None and item.built is not None:
+            # Before any kernel of this forward: order it after the scheduler's writes.
+            stream.wait_event(item.built)
+        owner.run_one(item.mwb, item.first, done)
         del owner  # no strong reference while waiting for the next batch
         last_end = time.perf_counter()
         done.forward_s = last_end - start

@@ -7,7 +7,8 @@ and without `--disable-cuda-graph`):
    persistent index buffers, then captures one graph per batch size of
    `capture_batch_sizes(max_bs)` (1, 2, 4, 8, then every 8), largest first, all in one
    memory pool. Each capture plans a dummy decode batch through the backend's capture hook,
-   runs the decoder eagerly twice (warm-up, lazy inits, kernel JIT), then captures it.
+   runs the decoder eagerly twice (warm-up, lazy inits, kernel JIT) on the capture stream,
+   synchronizes, then captures it on that stream (`GraphCapture.warm_up` / `capture`).
 2. `replay(forward_batch)` (a DECODE batch of bs <= max_bs) picks the smallest captured
    size >= bs (`select_bucket`), copies the batch into the buffers and pads the rest
    (`DecodeGraphInputs.fill`: padding rows write KV slot 0, the dummy, and read one token
@@ -113,6 +114,9 @@ class DecodeGraphInputs:
 
 
 class GraphCapture(Protocol):
+    def warm_up(self, fn: Callable[[], torch.Tensor], runs: int) -> None:
+        """Run `fn` eagerly `runs` times, where `capture` will record it."""
+
     def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
         """Record `fn`; return (replay, its static output tensor)."""
 
@@ -121,8 +125,25 @@ class CudaGraphCapture:
     """torch.cuda.CUDAGraph capture on a side stream, every graph in one memory pool."""
 
     def __init__(self, device: str | torch.device) -> None:
+        self.device = device
         self.stream = torch.cuda.Stream(device)
         self.pool: Any = None
+
+    def warm_up(self, fn: Callable[[], torch.Tensor], runs: int) -> None:
+        """Warm up on the capture stream itself, then synchronize.
+
+        Why this stream: lazy state that libraries create on first use can be per stream
+        (PyTorch's cuBLAS workspace is kept per handle and stream); warmed up on another
+        stream, the capture stream's first use, and that setup, would fall inside the
+        capture instead of before it.
+        Why the wait first: the dummy batch's padding and the attention plan's uploads were
+        queued on the current stream. Why the synchronize: capture starts only once the
+        warm-up's kernels (and any lazy allocation they made) are done."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for _ in range(runs):
+                fn()
+        torch.cuda.synchronize(self.device)
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
         graph = torch.cuda.CUDAGraph()
@@ -136,6 +157,10 @@ class CudaGraphCapture:
 class EagerCapture:
     """Re-runs `fn` at each replay into the same output tensor: the graph runner's logic
     without CUDA (CPU tests)."""
+
+    def warm_up(self, fn: Callable[[], torch.Tensor], runs: int) -> None:
+        for _ in range(runs):
+            fn()
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
         out = fn()
@@ -195,8 +220,7 @@ class CudaGraphRunner:
         def run() -> torch.Tensor:
             return self.decoder(batch.input_ids, batch.positions, batch)
 
-        for _ in range(WARMUP_RUNS):
-            run()
+        self.capture_impl.warm_up(run, WARMUP_RUNS)
         # Writing the buffers again bumps their version counters, so per-forward caches
         # keyed on them (the rotary cos/sin lookup) miss and get recorded into the graph.
         self.inputs.pad(0, bs)

@@ -6,6 +6,10 @@ aligned bottom-right, plan before run, and in CUDA-graph mode a fixed batch size
 indptr / indices / last_page_len live in the caller's buffers, which `run` reads (so a
 replay that forgot to re-plan reads stale buffers, as the real kernel would). Attention is
 computed per request in float64, then cast to the query dtype.
+
+Each wrapper also keeps what it was built with (`init_kwargs`, the keywords besides the
+workspace and layout, and `workspace_was_zero`), and its constructor takes exactly the
+keywords FlashInfer 0.7.2's does, so a misspelt one fails here as it would there.
 """
 
 from __future__ import annotations
@@ -72,10 +76,18 @@ class _PagedTable:
         return k, v
 
 
+# The `backend=` values FlashInfer 0.7.2's attention wrappers accept that matter here.
+BACKENDS = ("auto", "fa2", "fa3")
+
+
 class _Base:
-    def __init__(self, workspace: torch.Tensor, kv_layout: str = "NHD", **_: Any) -> None:
+    def __init__(self, workspace: torch.Tensor, kv_layout: str = "NHD", **init_kwargs: Any):
         assert workspace.dtype == torch.uint8
         assert kv_layout == "NHD"
+        assert init_kwargs.get("backend", "auto") in BACKENDS, init_kwargs
+        self.init_kwargs = init_kwargs
+        # FlashInfer: the float workspace "must be initialized to 0 for its first use".
+        self.workspace_was_zero = bool((workspace == 0).all())
         self.planned: dict[str, Any] | None = None
 
     def _plan(self, num_qo_heads, num_kv_heads, head_dim, kw: dict[str, Any]) -> None:
@@ -103,8 +115,16 @@ class BatchDecodeWithPagedKVCacheWrapper(_Base):
         paged_kv_indptr_buffer=None,
         paged_kv_indices_buffer=None,
         paged_kv_last_page_len_buffer=None,
+        backend="auto",
+        jit_args=None,
     ) -> None:
-        super().__init__(workspace, kv_layout)
+        super().__init__(
+            workspace,
+            kv_layout,
+            use_cuda_graph=use_cuda_graph,
+            use_tensor_cores=use_tensor_cores,
+            backend=backend,
+        )
         self.use_tensor_cores = use_tensor_cores
         self.table = _PagedTable(
             use_cuda_graph,
@@ -127,8 +147,24 @@ class BatchDecodeWithPagedKVCacheWrapper(_Base):
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_Base):
-    def __init__(self, workspace, kv_layout="NHD", **kw) -> None:
-        super().__init__(workspace, kv_layout)
+    def __init__(
+        self,
+        workspace,
+        kv_layout="NHD",
+        use_cuda_graph=False,
+        qo_indptr_buf=None,
+        paged_kv_indptr_buf=None,
+        paged_kv_indices_buf=None,
+        paged_kv_last_page_len_buf=None,
+        custom_mask_buf=None,
+        mask_indptr_buf=None,
+        backend="auto",
+        jit_args=None,
+        jit_kwargs=None,
+        variant_owns_mask=False,
+    ) -> None:
+        assert not use_cuda_graph, "the backend graphs decode only"
+        super().__init__(workspace, kv_layout, backend=backend)
         self.table = _PagedTable(False, None, None, None)
 
     def plan(self, qo_indptr, indptr, indices, last_page_len, h, hkv, d, page_size, **kw):
@@ -149,6 +185,23 @@ class BatchPrefillWithPagedKVCacheWrapper(_Base):
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(_Base):
+    def __init__(
+        self,
+        workspace,
+        kv_layout="NHD",
+        use_cuda_graph=False,
+        qo_indptr_buf=None,
+        kv_indptr_buf=None,
+        custom_mask_buf=None,
+        mask_indptr_buf=None,
+        backend="auto",
+        jit_args=None,
+        jit_kwargs=None,
+        variant_owns_mask=False,
+    ) -> None:
+        assert not use_cuda_graph, "the backend graphs decode only"
+        super().__init__(workspace, kv_layout, backend=backend)
+
     def plan(self, qo_indptr, kv_indptr, h, hkv, d, **kw) -> None:
         _check_int32(qo_indptr=qo_indptr, kv_indptr=kv_indptr)
         self.qo_indptr, self.kv_indptr = qo_indptr.clone(), kv_indptr.clone()

@@ -3,7 +3,8 @@
 The fake (`fake_flashinfer`) implements FlashInfer's documented contract, so these tests pin
 down what the backend hands it: which wrapper per batch, the CSR page table at page sizes 1
 and 16, the paged "NHD" view of our pool, causal extends on cached prefixes, and the
-CUDA-graph capture / replay planning through persistent buffers. Real kernels: tests/gpu.
+CUDA-graph capture / replay planning through persistent buffers, and how every wrapper is
+built (FA2 kernels, a zeroed workspace). Real kernels: tests/gpu.
 """
 
 from __future__ import annotations
@@ -106,6 +107,36 @@ def test_cuda_graph_capture_then_replay_with_new_batches(fake_flashinfer, page_s
     for _ in range(3):
         assert h.step(decode) < TOL
     assert all(p.wrapper is wrapper for p in plans)
+
+
+def test_every_wrapper_pins_fa2_on_a_zeroed_workspace(
+    fake_flashinfer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FA2 for prefill, decode and graph decode (one JIT module family per head_dim, not
+    FA3 for prefill beside FA2 for decode), and a workspace that is zero at first use even
+    where fresh memory is not: torch.empty is made to return dirty memory while the
+    backend is built, as a reused caching-allocator block would be on a GPU."""
+    real_empty = torch.empty
+
+    def dirty_empty(*args, **kwargs) -> torch.Tensor:
+        return real_empty(*args, **kwargs).fill_(0xAB)
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "empty", dirty_empty)
+        backend = make_backend(8, 2, page_size=1)
+    assert backend.workspace.dtype == torch.uint8 and not bool(backend.workspace.any())
+    h = Harness(8, 2, torch.bfloat16, page_size=1, backend=backend)
+    backend.init_cuda_graph_state(max_bs=2, max_pages_per_req=64)
+    h.step([(0, 3), (1, 5)])
+    backend.init_forward_metadata = backend.init_forward_metadata_capture_cuda_graph
+    h.step([(0, 1), (1, 1)])
+    wrappers = [backend.ragged_prefill, backend.paged_prefill, backend.decode]
+    wrappers += list(backend._graph_wrappers.values())
+    assert len(wrappers) == 4
+    for w in wrappers:
+        assert w.init_kwargs["backend"] == "fa2", (type(w).__name__, w.init_kwargs)
+        assert w.workspace_was_zero, type(w).__name__
+    assert backend._graph_wrappers[2].init_kwargs["use_cuda_graph"]
 
 
 def test_ragged_path_saves_kv_for_later_decodes(fake_flashinfer) -> None:

@@ -1,10 +1,14 @@
 """Decode CUDA-graph runner: bucket list, bucket choice, input padding, and the whole
 capture / replay flow on CPU (an eager stand-in for the graph, the fake flashinfer backend),
-checked against eager forwards of the same batches."""
+checked against eager forwards of the same batches; and the stream order of the real
+capture (`CudaGraphCapture`) through a test double of torch.cuda."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import torch
@@ -12,6 +16,8 @@ import torch
 from attention.registry import create_attention_backend
 from srt.model_executor.cuda_graph_runner import (
     PAD_SEQ_LEN,
+    WARMUP_RUNS,
+    CudaGraphCapture,
     CudaGraphRunner,
     DecodeGraphInputs,
     EagerCapture,
@@ -142,6 +148,125 @@ def check_replay_matches_eager(
 @pytest.mark.parametrize("config_name", ["llama", "qwen3_tied"])
 def test_replay_matches_eager_decode(fake_flashinfer, page_size: int, config_name: str) -> None:
     check_replay_matches_eager(CONFIGS[config_name], page_size, "cpu", EagerCapture())
+
+
+class FakeCudaGraphApi:
+    """Test double of the torch.cuda pieces `CudaGraphCapture` uses (Stream, current_stream,
+    stream, synchronize, CUDAGraph, graph). It logs each call with stream names, keeps the
+    current stream as CUDA does, and captures nothing: `graph` just runs its body."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[Any, ...]] = []
+        self.current = "default"
+        self.pools = 0
+
+    def Stream(self, device: Any = None) -> FakeStream:  # named as in torch.cuda
+        return FakeStream(self, "capture")
+
+    def current_stream(self, device: Any = None) -> FakeStream:
+        return FakeStream(self, self.current)
+
+    @contextmanager
+    def stream(self, s: FakeStream) -> Iterator[None]:
+        previous, self.current = self.current, s.name
+        self.log.append(("enter", s.name))
+        yield
+        self.log.append(("exit", s.name))
+        self.current = previous
+
+    def synchronize(self, device: Any = None) -> None:
+        self.log.append(("synchronize",))
+
+    def CUDAGraph(self) -> FakeGraph:  # named as in torch.cuda
+        self.pools += 1
+        return FakeGraph(f"pool{self.pools}")
+
+    @contextmanager
+    def graph(self, g: FakeGraph, pool: Any = None, stream: Any = None) -> Iterator[None]:
+        previous, self.current = self.current, stream.name
+        self.log.append(("capture_begin", stream.name, pool))
+        yield
+        self.log.append(("capture_end", stream.name))
+        self.current = previous
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        for name in ("Stream", "current_stream", "stream", "synchronize", "CUDAGraph", "graph"):
+            monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+
+
+class FakeStream:
+    def __init__(self, api: FakeCudaGraphApi, name: str) -> None:
+        self.api, self.name = api, name
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.api.log.append(("wait_stream", self.name, other.name))
+
+
+class FakeGraph:
+    def __init__(self, pool_id: str) -> None:
+        self.pool_id = pool_id
+
+    def pool(self) -> str:
+        return self.pool_id
+
+    def replay(self) -> None:
+        pass
+
+
+def test_capture_warms_up_on_the_capture_stream_then_synchronizes(
+    fake_flashinfer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Per batch size: the capture stream waits for the current one (padding, plan uploads),
+    the warm-up forwards run on the capture stream, everything is synchronized, and only
+    then is the graph captured on that same stream (all graphs in the first one's pool)."""
+    cuda = FakeCudaGraphApi()
+    cuda.install(monkeypatch)
+    config = CONFIGS["llama"]
+    _, model = build_pair(config, torch.bfloat16)
+    head_dim = config.hidden_size // config.num_attention_heads
+    model.model.register_forward_pre_hook(
+        lambda module, args: cuda.log.append(("forward", cuda.current))
+    )
+    backend = create_attention_backend(
+        "flashinfer",
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+        device="cpu",
+        workspace_bytes=1024,
+    )
+    builder = ForwardBatchBuilder(
+        config.num_hidden_layers,
+        config.num_key_value_heads,
+        head_dim,
+        dtype=torch.bfloat16,
+        backend=backend,
+        max_context_len=128,
+    )
+    capture = CudaGraphCapture("cpu")
+    runner = CudaGraphRunner(
+        model, backend, builder.req_to_token_pool, builder.kv_pool, 4, "cpu", capture=capture
+    )
+    assert runner.batch_sizes == [1, 2, 4]
+    one_size = [
+        ("wait_stream", "capture", "default"),
+        ("enter", "capture"),
+        *[("forward", "capture")] * WARMUP_RUNS,
+        ("exit", "capture"),
+        ("synchronize",),
+        ("capture_begin", "capture", None),  # the pool: None, then the first graph's
+        ("forward", "capture"),
+        ("capture_end", "capture"),
+    ]
+    expected = []
+    for i in range(len(runner.batch_sizes)):
+        pool = None if i == 0 else "pool1"
+        expected += [
+            e if e[0] != "capture_begin" else ("capture_begin", "capture", pool) for e in one_size
+        ]
+    assert cuda.log == expected
+    assert cuda.current == "default"
 
 
 def test_cuda_graph_flags() -> None:
