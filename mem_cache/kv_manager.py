@@ -145,9 +145,22 @@ class KVManager:
             self.evict(short)
 
     def _last_locs(self, spans: Sequence[KVSpan], lens: Sequence[int]) -> list[int]:
-        """Slot of position len-1 of each span (-1 when len == 0)."""
+        """Slot of position len-1 of each span (-1 when len == 0), which the allocator
+        extends a partly filled last page from.
+
+        One gather over the table for the whole batch: on a GPU each element read is a
+        device-to-host sync, and this runs every decode step. With page_size 1 the allocator
+        takes any free slot and never reads these, so the table is not read at all (-1s)."""
+        if self.page_size == 1 or not lens:
+            return [-1] * len(lens)
         table = self.rows.req_to_token
-        return [int(table[s.row, n - 1]) if n > 0 else -1 for s, n in zip(spans, lens, strict=True)]
+        lens_t = torch.tensor(lens, dtype=torch.int64)
+        rows = torch.tensor(
+            [s.row if n > 0 else 0 for s, n in zip(spans, lens, strict=True)], dtype=torch.int64
+        )
+        cols = (lens_t - 1).clamp_(min=0)
+        last = table[rows.to(table.device), cols.to(table.device)].to("cpu", torch.int64)
+        return torch.where(lens_t > 0, last, -1).tolist()
 
     def allocate_extend(self, spans: Sequence[KVSpan], seq_lens: Sequence[int]) -> torch.Tensor:
         """Slots for positions prefix_len..seq_len-1 of each span, concatenated.

@@ -12,12 +12,12 @@ from srt.layers import fused_kernels
 class SiluAndMul(nn.Module):
     """x = [gate | up] along the last dim -> silu(gate) * up.
 
-    sgl-kernel's fused `silu_and_mul` on CUDA when installed (it needs rows of a multiple of
-    16 bytes); the torch code otherwise.
+    The fused provider's `silu_and_mul` on CUDA (sgl-kernel or FlashInfer, see
+    `fused_kernels`; both need rows of a multiple of 16 bytes); the torch code otherwise.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if fused_kernels.use_fused(x) and (x.shape[-1] * x.element_size()) % 16 == 0:
-            return fused_kernels.sgl_kernel().silu_and_mul(x.contiguous())
+            return fused_kernels.fused_ops().silu_and_mul(x.contiguous())
         half = x.shape[-1] // 2
         return F.silu(x[..., :half]) * x[..., half:]

@@ -26,8 +26,9 @@ def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 class RMSNorm(nn.Module):
     """`forward(x)` -> normed x; `forward(x, residual)` -> (normed(x + residual), x + residual).
 
-    The native path is the numerical reference and the CPU path. On CUDA with sgl-kernel
-    installed, `rmsnorm` / `fused_add_rmsnorm` run instead; the fused add works in place:
+    The native path is the numerical reference and the CPU path. On CUDA, when a fused-op
+    provider was found (sgl-kernel or FlashInfer, see `fused_kernels`), its `rmsnorm` /
+    `fused_add_rmsnorm` run instead; the fused add works in place:
     afterwards `x` holds the normed output and `residual` the sum (when they are
     contiguous), which is what the decoder layers want.
     """
@@ -55,7 +56,7 @@ class RMSNorm(nn.Module):
     def _forward_fused(
         self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        ops = fused_kernels.sgl_kernel()
+        ops = fused_kernels.fused_ops()
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).contiguous()  # the kernels take [tokens, hidden]
         weight = self.weight.data

@@ -52,11 +52,12 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, H*D] or [T, H, D]; k likewise -> rotated (q, k), same shapes.
 
-        On CUDA with sgl-kernel installed, q and k are rotated in place by its fused kernel
-        (float32 math over the same cos/sin cache) and returned.
+        On CUDA with a fused-op provider (sgl-kernel or FlashInfer, see `fused_kernels`), q
+        and k are rotated in place by its kernel (float32 math over the same cos/sin cache)
+        and returned.
         """
         if fused_kernels.use_fused(q):
-            fused_kernels.sgl_kernel().apply_rope_with_cos_sin_cache_inplace(
+            fused_kernels.fused_ops().apply_rope_with_cos_sin_cache_inplace(
                 positions, q, k, self.head_dim, self.cos_sin_cache, self.is_neox_style
             )
             return q, k

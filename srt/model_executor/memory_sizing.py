@@ -3,9 +3,10 @@
 - `--max-total-tokens` wins when given.
 - GPU: `--mem-fraction-static` (default 0.88) of the device's total memory is the static
   budget for everything resident (CUDA context, weights, workspaces), the profiled
-  activation peak of the largest prefill batch plus the sampler's logits copies, and the KV
-  pool, which gets what is left of it (`kv_pool_tokens`). The other (1 - fraction) is
-  headroom for CUDA graphs, the allocator's fragmentation and other processes.
+  activation peak of the largest prefill batch plus the sampler's logits copies, what is
+  allocated after the sizing (the `req_to_token` table, exactly, and the decode CUDA graphs,
+  an estimate), and the KV pool, which gets what is left of it (`kv_pool_tokens`). The
+  other (1 - fraction) is headroom for the allocator's fragmentation and other processes.
 - CPU: the fraction (default 0.3) of the currently available RAM, divided by the KV bytes
   of one token.
 
@@ -32,6 +33,13 @@ GPU_DEFAULT_MEM_FRACTION = 0.88
 # The sampler holds about this many float32 [batch, vocab] tensors at once (logits,
 # processed logits, probabilities).
 SAMPLER_LOGITS_COPIES = 3
+# `req_to_token` has a few columns past the context length (ReqToTokenPool's width).
+REQ_TO_TOKEN_EXTRA_COLUMNS = 4
+# Decode CUDA graphs: their private memory pool holds the intermediates of the largest
+# captured batch (every smaller graph reuses it), plus small per-request input buffers.
+# SGLang reserves 2 MB per unit of --cuda-graph-max-bs for this when it picks its default
+# mem_fraction_static; that per-batch-size estimate is used here until one is measured.
+CUDA_GRAPH_BYTES_PER_BATCH = 2 * 2**20
 
 
 def kv_bytes_per_token(model_config: ModelConfig, dtype: torch.dtype) -> int:
@@ -65,17 +73,45 @@ def kv_pool_tokens(
     activation_peak: int,
     fraction: float,
     bytes_per_token: int,
+    allocated_later: int = 0,
 ) -> int:
     """KV tokens that fit in `fraction` of the device once weights and activations are in.
 
     `used_after_weights` is everything resident after loading (total - free: the context,
     the weights, workspaces, other processes); `activation_peak` the profiled peak of a
-    forward plus the sampler's reserve. Never negative.
+    forward plus the sampler's reserve; `allocated_later` what is allocated after the pool is
+    sized and stays resident (`req_to_token_bytes` + `cuda_graph_reserve_bytes`): the
+    measured free memory cannot include it yet. Never negative.
     """
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"mem_fraction_static must be in (0, 1], got {fraction}")
-    budget = int(total_bytes * fraction) - used_after_weights - activation_peak
+    budget = int(total_bytes * fraction) - used_after_weights - activation_peak - allocated_later
     return max(budget, 0) // bytes_per_token
+
+
+def req_to_token_columns(context_len: int) -> int:
+    """The width of `req_to_token` for a model of `context_len` tokens."""
+    return context_len + REQ_TO_TOKEN_EXTRA_COLUMNS
+
+
+def req_to_token_bytes(max_running_requests: int, columns: int) -> int:
+    """`int32[max_running_requests, columns]`: one row per running request (no spare row;
+    CUDA-graph padding reuses row 0)."""
+    return 4 * max_running_requests * columns
+
+
+def cuda_graph_reserve_bytes(max_bs: int, columns: int, page_size: int) -> int:
+    """Memory the decode CUDA graphs keep once captured up to batch size `max_bs` (0: none).
+
+    The graph pool and input buffers are an estimate (`CUDA_GRAPH_BYTES_PER_BATCH` per
+    batch size); the paged attention backends' persistent page-table buffers are exact:
+    int32 page indices [max_bs * pages per request], indptr [max_bs + 1] and last-page
+    lengths [max_bs]."""
+    if max_bs < 1:
+        return 0
+    max_pages = -(-columns // page_size)
+    page_table = 4 * (max_bs * max_pages + (max_bs + 1) + max_bs)
+    return CUDA_GRAPH_BYTES_PER_BATCH * max_bs + page_table
 
 
 def round_pool_size(size: int, page_size: int) -> int:

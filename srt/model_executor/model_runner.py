@@ -31,12 +31,15 @@ from srt.model_executor.memory_sizing import (
     GPU_DEFAULT_MEM_FRACTION,
     available_memory_bytes,
     build_profile_batch,
+    cuda_graph_reserve_bytes,
     default_mem_fraction,
     kv_bytes_per_token,
     kv_pool_tokens,
     pool_size_tokens,
     profile_activation_peak,
     profile_lens,
+    req_to_token_bytes,
+    req_to_token_columns,
     round_pool_size,
     sampler_reserve_bytes,
 )
@@ -102,7 +105,9 @@ class ModelRunner:
             DEFAULT_MAX_RUNNING_REQUESTS, max(self.max_total_tokens // 2, 1)
         )
         self.max_running_requests = max_reqs
-        self.req_to_token_pool = ReqToTokenPool(max_reqs, cfg.context_len + 4, self.device)
+        self.req_to_token_pool = ReqToTokenPool(
+            max_reqs, req_to_token_columns(cfg.context_len), self.device
+        )
         self.token_to_kv_pool = MHATokenToKVPool(
             self.max_total_tokens,
             args.page_size,
@@ -142,18 +147,33 @@ class ModelRunner:
         fraction = args.mem_fraction_static
         if fraction is None:
             fraction = default_mem_fraction(self.device)
+        # Allocated after the sizing, so not in `used`: the request table (at its largest,
+        # max_reqs rows) and the decode graphs, when init_cuda_graphs will capture them.
+        columns = req_to_token_columns(cfg.context_len)
+        graphs = not args.disable_cuda_graph and self.attn_backend.supports_cuda_graph
+        graph_bs = min(args.cuda_graph_max_bs, max_reqs) if graphs else 0
+        table = req_to_token_bytes(max_reqs, columns)
+        graph_mem = cuda_graph_reserve_bytes(graph_bs, columns, args.page_size)
         tokens = kv_pool_tokens(
-            total, used, peak + reserve, fraction, kv_bytes_per_token(cfg, cfg.dtype)
+            total,
+            used,
+            peak + reserve,
+            fraction,
+            kv_bytes_per_token(cfg, cfg.dtype),
+            allocated_later=table + graph_mem,
         )
         logger.info(
             "GPU memory: %.2f GiB total, %.2f GiB in use after weights, activation peak "
-            "%.2f GiB (%d-token prefill) + sampler %.2f GiB, mem_fraction_static %.2f -> "
-            "#kv-pool-tokens %d",
+            "%.2f GiB (%d-token prefill) + sampler %.2f GiB, req_to_token %.2f GiB, CUDA "
+            "graphs (bs <= %d) %.2f GiB, mem_fraction_static %.2f -> #kv-pool-tokens %d",
             total / GIB,
             used / GIB,
             peak / GIB,
             num_tokens,
             reserve / GIB,
+            table / GIB,
+            graph_bs,
+            graph_mem / GIB,
             fraction,
             tokens,
         )

@@ -1,8 +1,9 @@
-"""The layers' sgl-kernel path, plumbed through a pure-torch fake of its documented ops.
+"""The layers' fused path, plumbed through a pure-torch fake of the providers' documented ops.
 
 On CPU the real kernels never run (`use_fused` is False for CPU tensors); these tests force
-the fused path with a fake `sgl_kernel` whose ops follow sgl-kernel's documented semantics
+the fused path with fake ops that follow sgl-kernel's / FlashInfer's documented semantics
 (in-place where the real ones are), and check the layers give the torch path's results.
+How the provider is chosen is tested in test_fused_provider.py.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def _fake_sgl_kernel() -> types.SimpleNamespace:
 def fused(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
     fake = _fake_sgl_kernel()
     monkeypatch.setattr(fused_kernels, "use_fused", lambda x: True)
-    monkeypatch.setattr(fused_kernels, "sgl_kernel", lambda: fake)
+    monkeypatch.setattr(fused_kernels, "fused_ops", lambda: fake)
     return fake
 
 
@@ -112,8 +113,15 @@ def test_rope_fused_path_in_place(fused, monkeypatch, rotary_dim: int, neox: boo
 
 
 def test_cpu_tensors_never_take_the_fused_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fused_kernels, "sgl_kernel_installed", lambda: True)
-    assert not fused_kernels.use_fused(torch.randn(2, 2))
+    """A CPU tensor, of any dtype, never even triggers the provider choice."""
+
+    def refuse(*_: object) -> None:
+        raise AssertionError("a CPU tensor must not choose a provider")
+
+    monkeypatch.setattr(fused_kernels, "select_provider", refuse)
+    monkeypatch.setattr(fused_kernels, "_provider", None)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert not fused_kernels.use_fused(torch.randn(2, 2).to(dtype))
 
 
 def test_rope_lookup_of_inference_tensors() -> None:

@@ -6,13 +6,18 @@ import pytest
 import torch
 
 from attention.torch_native_backend import TorchNativeAttnBackend
+from mem_cache.memory_pool import ReqToTokenPool
 from srt.model_executor.memory_sizing import (
+    CUDA_GRAPH_BYTES_PER_BATCH,
     build_profile_batch,
+    cuda_graph_reserve_bytes,
     kv_bytes_per_token,
     kv_pool_tokens,
     pool_size_tokens,
     profile_activation_peak,
     profile_lens,
+    req_to_token_bytes,
+    req_to_token_columns,
     round_pool_size,
     sampler_reserve_bytes,
 )
@@ -48,6 +53,41 @@ def test_kv_pool_tokens_monotone_and_never_negative() -> None:
     for bad in (0.0, -0.1, 1.5):
         with pytest.raises(ValueError, match="mem_fraction_static"):
             kv_pool_tokens(GIB, 0, 0, bad, 1)
+
+
+def test_req_to_token_bytes_is_the_table_the_runner_builds() -> None:
+    columns = req_to_token_columns(2048)
+    assert columns == 2052
+    assert req_to_token_bytes(512, columns) == 4 * 512 * 2052  # int32, one row per request
+    pool = ReqToTokenPool(7, req_to_token_columns(100))  # what ModelRunner allocates
+    table = pool.req_to_token
+    assert req_to_token_bytes(7, req_to_token_columns(100)) == table.numel() * table.itemsize
+
+
+def test_cuda_graph_reserve_bytes() -> None:
+    assert cuda_graph_reserve_bytes(0, 4100, 1) == 0  # no graphs captured
+    # bs 160, 4100 columns, page 16: 257 pages per request in the page table.
+    page_table = 4 * (160 * 257 + 161 + 160)
+    assert cuda_graph_reserve_bytes(160, 4100, 16) == 160 * CUDA_GRAPH_BYTES_PER_BATCH + page_table
+    assert CUDA_GRAPH_BYTES_PER_BATCH == 2 * 2**20  # SGLang's 2 MB per captured batch size
+    assert cuda_graph_reserve_bytes(1, 8, 1) == CUDA_GRAPH_BYTES_PER_BATCH + 4 * (8 + 2 + 1)
+    # Larger batches and longer contexts only ever reserve more.
+    assert cuda_graph_reserve_bytes(161, 4100, 16) > cuda_graph_reserve_bytes(160, 4100, 16)
+    assert cuda_graph_reserve_bytes(160, 8200, 16) > cuda_graph_reserve_bytes(160, 4100, 16)
+
+
+def test_memory_allocated_after_sizing_leaves_the_pool() -> None:
+    """The table and the graphs come out of the KV pool's share, byte for byte."""
+    per_token = kv_bytes_per_token(FakeConfig(), torch.bfloat16)
+    columns = req_to_token_columns(32768)
+    later = req_to_token_bytes(512, columns) + cuda_graph_reserve_bytes(256, columns, 1)
+    without = kv_pool_tokens(80 * GIB, 2 * GIB, 3 * GIB, 0.88, per_token)
+    with_later = kv_pool_tokens(80 * GIB, 2 * GIB, 3 * GIB, 0.88, per_token, allocated_later=later)
+    assert with_later == (int(80 * GIB * 0.88) - 5 * GIB - later) // per_token
+    # 512 x 32772 int32 = 64 MiB of table; 256 x 2 MiB + 32 MiB of page table for the graphs.
+    assert later == 4 * 512 * 32772 + 256 * 2 * 2**20 + 4 * (256 * 32772 + 257 + 256)
+    assert without - with_later >= later // per_token
+    assert kv_pool_tokens(GIB, 0, 0, 1.0, 1024, allocated_later=2 * GIB) == 0  # never negative
 
 
 def test_round_pool_size() -> None:
@@ -98,3 +138,46 @@ def test_profile_batch_runs_a_forward(page_size: int) -> None:
     assert profile_activation_peak(model, TorchNativeAttnBackend(), batch) == 0  # CPU
     written = batch.token_to_kv_pool.get_key_buffer(0)[batch.out_cache_loc]
     assert written.abs().sum() > 0  # the forward ran and saved its KV
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_runner_sizing_subtracts_table_and_graphs(
+    monkeypatch: pytest.MonkeyPatch, graphs: bool
+) -> None:
+    """ModelRunner's GPU sizing, with the device calls faked: the pool it picks is what is
+    left after the request table and (when they will be captured) the decode graphs."""
+    from types import SimpleNamespace
+
+    from srt.model_executor import model_runner as mr
+
+    total, free, peak = 80 * GIB, 70 * GIB, 3 * GIB
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (free, total))
+    monkeypatch.setattr(mr, "build_profile_batch", lambda *a: None)
+    monkeypatch.setattr(mr, "profile_activation_peak", lambda *a: peak)
+    runner = mr.ModelRunner.__new__(mr.ModelRunner)
+    runner.model, runner.device = None, "cuda"
+    layers = {k: getattr(FakeConfig, k) for k in ("num_hidden_layers", "num_key_value_heads")}
+    runner.model_config = SimpleNamespace(
+        context_len=8192, vocab_size=32000, dtype=torch.bfloat16, head_dim=64, **layers
+    )
+    runner.server_args = SimpleNamespace(
+        max_prefill_tokens=8192,
+        chunk_size=None,
+        mem_fraction_static=0.88,
+        page_size=16,
+        disable_cuda_graph=not graphs,
+        cuda_graph_max_bs=160,
+    )
+    runner.attn_backend = SimpleNamespace(supports_cuda_graph=True)
+    tokens = runner._profiled_pool_tokens(256)
+
+    columns = 8192 + 4
+    later = req_to_token_bytes(256, columns)
+    if graphs:
+        later += cuda_graph_reserve_bytes(160, columns, 16)
+    per_token = kv_bytes_per_token(FakeConfig(), torch.bfloat16)
+    activations = peak + sampler_reserve_bytes(256, 32000)
+    budget = int(total * 0.88) - (total - free) - activations - later
+    assert tokens == budget // per_token // 16 * 16
