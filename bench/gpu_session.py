@@ -252,8 +252,8 @@ CALLS: list[dict] = [
             "{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; "
             "nvcc --version | tail -2; echo ninja $(ninja --version); "
             f'$PY -c "{PROBE}"; }} 2>&1 | tee $OUT/device.txt; '
-            "timeout 360 $PY -m bench.gpu_session warm 2>&1 | tee $OUT/warm.log; "
-            f"timeout 200 {PYTEST} tests/gpu/test_flashinfer_attention.py "
+            "timeout 400 $PY -m bench.gpu_session warm 2>&1 | tee $OUT/warm.log; "
+            f"timeout 160 {PYTEST} tests/gpu/test_flashinfer_attention.py "
             "tests/gpu/test_cuda_graph_gpu.py 2>&1 | tee $OUT/attention.log"
         ),
     },
@@ -340,12 +340,15 @@ WARM_SHAPES = [(9, 3, 64), (16, 8, 128), (32, 8, 128)]
 def warm_one(heads: int, kv_heads: int, head_dim: int) -> None:
     """Runs RadixRT's own FlashInfer backend (ragged prefill, paged prefill on a prefix,
     decode) at page sizes 1 and 16, so exactly the modules it uses get compiled."""
+    import time
+
     import torch
 
     from attention import RadixAttention, create_attention_backend
     from srt.model_executor.forward_batch import ForwardMode
     from tests.srt.forward_helpers import ForwardBatchBuilder
 
+    tic = time.perf_counter()
     for page_size in (1, 16):
         backend = create_attention_backend(
             "flashinfer",
@@ -376,7 +379,8 @@ def warm_one(heads: int, kv_heads: int, head_dim: int) -> None:
             kv = torch.randn(total, kv_heads * head_dim, device="cuda", dtype=torch.bfloat16)
             layer(q, kv, kv, fb)
         torch.cuda.synchronize()
-    print(f"warm: heads {heads}/{kv_heads}, head_dim {head_dim}: compiled and ran", flush=True)
+    took = time.perf_counter() - tic
+    print(f"warm: {heads}/{kv_heads} heads, head_dim {head_dim}: {took:.0f} s", flush=True)
 
 
 def warm() -> None:
