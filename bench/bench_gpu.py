@@ -15,13 +15,16 @@
      bandwidth (H100 SXM 3.35 TB/s, H200 4.8 TB/s, from the device name).
    - W1 scaled up: 256 prompts of random ids, input and output lengths uniform in
      [100, 1024], greedy, ignore_eos, through the in-process scheduler (overlap loop);
-     output tokens/s, then the memory integrity check.
+     output tokens/s, then the memory integrity check. With graphs on, the same W1 again on
+     the normal loop ("overlap off"), for the overlap speed-up. (No roofline for W1: its
+     steps mix prefill and decode.)
 3. Prints a markdown table (and writes it to `--out`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -158,13 +161,18 @@ def freed_after() -> Iterator[list[Any]]:
         yield held
     finally:
         for obj in held:
-            forward_worker = getattr(getattr(obj, "scheduler", None), "forward_worker", None)
-            if forward_worker is not None:
-                forward_worker.stop()
-                forward_worker.thread.join(timeout=60)
+            stop_forward_worker(obj)
         held.clear()
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def stop_forward_worker(obj: Any) -> None:
+    """Stop a driver's overlap thread (a no-op for the normal loop, or when stopped)."""
+    forward_worker = getattr(getattr(obj, "scheduler", None), "forward_worker", None)
+    if forward_worker is not None and forward_worker.thread.is_alive():
+        forward_worker.stop()
+        forward_worker.thread.join(timeout=60)
 
 
 def bench_decode(
@@ -208,10 +216,34 @@ def bench_w1(driver: Any, num: int, lo: int, hi: int, seed: int = 0) -> dict[str
     return {"workload": f"W1x ({num} prompts)", "tok_per_s": n_out / elapsed, "s": elapsed}
 
 
+def bench_w1_loops(
+    worker: Any,
+    sargs: Any,
+    num: int,
+    lo: int,
+    hi: int,
+    overlaps: tuple[bool, ...],
+    held: list[Any],
+) -> Iterator[dict[str, Any]]:
+    """W1 on one worker, once per loop in `overlaps` (True: the overlap loop), same prompts."""
+    from managers.inprocess import InProcessDriver
+
+    for overlap in overlaps:
+        loop_args = dataclasses.replace(sargs, disable_overlap_schedule=not overlap)
+        driver = InProcessDriver(loop_args, worker=worker)
+        held.append(driver)
+        w1 = bench_w1(driver, num, lo, hi)
+        w1["workload"] += "" if overlap else " overlap off"
+        stop_forward_worker(driver)
+        # The KV pool is the worker's: return the cached pages before the next scheduler
+        # takes the pool over.
+        assert driver.scheduler.flush_cache(), "flush refused: requests still held"
+        yield w1
+
+
 def bench_model(name: str, path: str | None, fmt: str, args: argparse.Namespace) -> list[dict]:
     """Decode and W1 benchmarks of one model, CUDA graphs on then off."""
     from bench.bench_one_batch import run_one_batch
-    from managers.inprocess import InProcessDriver
     from managers.model_worker import ModelWorker
 
     rows = []
@@ -233,10 +265,12 @@ def bench_model(name: str, path: str | None, fmt: str, args: argparse.Namespace)
                 )
                 rows.append(base | decode)
                 print(json.dumps(rows[-1]), flush=True)
-            driver = InProcessDriver(sargs, worker=worker)
-            held.append(driver)
-            rows.append(base | bench_w1(driver, args.w1_prompts, 100, 1024))
-            print(json.dumps(rows[-1]), flush=True)
+            # W1 with the overlap loop; with graphs on, the same W1 again on the normal loop
+            # (same worker, same prompts), for the overlap on / off ratio.
+            loops = (True, False) if graphs else (True,)
+            for w1 in bench_w1_loops(worker, sargs, args.w1_prompts, 100, 1024, loops, held):
+                rows.append(base | w1)
+                print(json.dumps(rows[-1]), flush=True)
     return rows
 
 

@@ -62,3 +62,18 @@ def test_markdown_table() -> None:
     rows = [{"model": "m", "tok_per_s": 1234.5, "roofline": 0.613, "step_ms": 1.0}]
     table = markdown_table(rows, ["model", "tok_per_s", "step_ms", "roofline", "missing"])
     assert table.splitlines()[2] == "| m | 1,234 | 1.00 | 61.3% |  |"
+
+
+def test_w1_on_both_loops_shares_one_worker(default_model_path: str) -> None:
+    """The overlap on / off rows: two schedulers take the worker's KV pool in turn (the
+    first returns its cached pages), on CPU with the default model and a tiny W1."""
+    from bench.bench_gpu import bench_w1_loops
+    from managers.model_worker import ModelWorker
+    from srt.server_args import ServerArgs
+
+    sargs = ServerArgs(dtype="float32", skip_tokenizer_init=True, max_total_tokens=2048)
+    held: list[object] = []
+    rows = list(bench_w1_loops(ModelWorker(sargs), sargs, 3, 4, 8, (True, False), held))
+    assert [r["workload"] for r in rows] == ["W1x (3 prompts)", "W1x (3 prompts) overlap off"]
+    assert all(r["tok_per_s"] > 0 for r in rows)
+    assert not held[0].scheduler.forward_worker.thread.is_alive()
