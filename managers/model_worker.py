@@ -87,7 +87,7 @@ class ModelWorker:
         with torch.profiler.record_function("sampling"):
             out = self.model_runner.sampler.forward(
                 sample_logits,
-                mwb.sampling_info,
+                mwb.sampling_info.to(sample_logits.device),
                 return_logprob=mwb.return_logprob,
                 top_logprobs_nums=mwb.top_logprobs_nums,
             )

@@ -26,6 +26,7 @@ every step, the overlap loop's included, without the host waiting for the previo
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -80,6 +81,18 @@ class SamplingBatchInfo:
     min_tokens_ids: torch.Tensor | None = None  # int64 [M]
     # Constrained decoding: masks the disallowed tokens of the constrained rows, in place.
     vocab_mask: VocabMaskLike | None = None
+
+    def to(self, device: torch.device | str) -> SamplingBatchInfo:
+        """This batch's tensors on `device` (the logits' device): the scheduler builds them on
+        the CPU. Itself when they are there already (always on a CPU server)."""
+        if self.top_ps.device == torch.device(device):
+            return self
+        moved = {
+            f.name: value.to(device, non_blocking=True)
+            for f in dataclasses.fields(self)
+            if isinstance(value := getattr(self, f.name), torch.Tensor)
+        }
+        return dataclasses.replace(self, **moved)
 
     @property
     def batch_size(self) -> int:

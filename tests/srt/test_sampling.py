@@ -277,3 +277,24 @@ def test_noise_never_reaches_one_so_zero_probability_never_wins() -> None:
         assert float(u.max()) < 1.0 and float(u.min()) > 0.0
     e = seeded_exponential(seeds[:64], positions[:64], vocab)
     assert bool((e > 0).all())
+
+
+def test_batch_info_moves_every_tensor_to_the_logits_device() -> None:
+    """The scheduler builds the info on the CPU; on a GPU the worker moves it next to the
+    logits (a [B, 1] CPU temperature against CUDA logits is an error). Every tensor field
+    moves, penalties, bias and min-token masks included; on the CPU it is the same object."""
+    reqs = [
+        req(seed=1, temperature=0.7, top_p=0.9, repetition_penalty=1.2, frequency_penalty=0.5),
+        req(seed=2, min_new_tokens=3, logit_bias={"5": 10.0}),
+    ]
+    info = SamplingBatchInfo.from_reqs(reqs, 16, "cpu", eos_token_ids=[2])
+    assert info.to("cpu") is info
+    moved = info.to("meta")
+    tensors = [
+        f.name for f in dataclasses.fields(info) if isinstance(getattr(info, f.name), torch.Tensor)
+    ]
+    assert {"temperatures", "output_counts", "seen_mask", "bias_values", "min_tokens_ids"} <= set(
+        tensors
+    )
+    assert all(getattr(moved, name).device.type == "meta" for name in tensors)
+    assert moved.is_all_greedy == info.is_all_greedy and moved.vocab_size == 16
