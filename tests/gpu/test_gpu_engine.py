@@ -137,3 +137,25 @@ def test_profiled_pool_fills_the_fraction(default_model_path: str) -> None:
     # out of the budget; the pool gets the rest, and the 12% headroom stays free.
     assert budget - 4 * GIB < pool < budget
     assert free > 0.05 * total
+
+
+def test_sampled_requests_with_penalties_and_bias_run_on_cuda(default_model_path: str) -> None:
+    """Non-greedy rows read the batch's sampling tensors (temperatures, penalties, bias), which
+    the scheduler builds on the CPU: they must reach the logits' device. Seeded draws repeat,
+    +100 bias forces its token, and the pool is whole afterwards."""
+    with driver(model_path=default_model_path) as d:
+        prompts = w1_prompts(4, 8, 64, d.scheduler.vocab_size, seed=3)
+        params = {
+            "max_new_tokens": 16,
+            "temperature": 0.8,
+            "top_p": 0.9,
+            "seed": 5,
+            "repetition_penalty": 1.1,
+            "frequency_penalty": 0.3,
+            "ignore_eos": True,
+        }
+        first = [o["output_ids"] for o in d.generate(prompts, params)]
+        assert first == [o["output_ids"] for o in d.generate(prompts, params)]
+        forced = d.generate(prompts[:1], {**params, "logit_bias": {"42": 100}})[0]
+        assert set(forced["output_ids"]) == {42}
+        d.scheduler.check_memory()
