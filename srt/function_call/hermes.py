@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from srt.function_call.core import ToolSpec
 from srt.function_call.json_scan import partial_start, skip_whitespace
-from srt.function_call.walker import TextWalk
+from srt.function_call.walker import CallOutcome, TextWalk
 
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
@@ -47,16 +47,11 @@ class HermesParser(TextWalk):
     def _step(self, text: str, pos: int) -> int:
         mode = self._mode
         if mode == _CONTENT:
-            i = text.find(OPEN_TAG, pos)
-            if i < 0:
-                cut = partial_start(text, pos, OPEN_TAG)
-                self._content(text[pos:cut])
-                self._carry = text[cut:]
+            end = self._content_until(text, pos, OPEN_TAG)
+            if end < 0:
                 return len(text)
-            self._content(text[pos:i])
-            self._held = [OPEN_TAG]
             self._mode = _OPEN
-            return i + len(OPEN_TAG)
+            return end
         if mode == _OPEN:
             j = skip_whitespace(text, pos)
             self._hold(text[pos:j])
@@ -69,15 +64,11 @@ class HermesParser(TextWalk):
                     self._mode = _CONTENT
             return j
         if mode == _CALL:
-            end = self._read_call(text, pos)
-            reader = self._reader
-            assert reader is not None
-            if reader.rejected:
-                self._reject()
+            end, outcome = self._advance_call(text, pos)
+            if outcome is CallOutcome.REJECTED:
                 self._mode = _CONTENT
-            elif reader.done:
-                self._reader = None
-                self._mode = _SKIP if reader.malformed else _CLOSE
+            elif outcome is not CallOutcome.READING:
+                self._mode = _SKIP if outcome is CallOutcome.MALFORMED else _CLOSE
             return end
         if mode == _CLOSE:
             j = skip_whitespace(text, pos)

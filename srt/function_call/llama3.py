@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from srt.function_call.core import ToolSpec
 from srt.function_call.json_scan import skip_whitespace
-from srt.function_call.walker import TextWalk
+from srt.function_call.walker import CallOutcome, TextWalk
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -45,14 +45,10 @@ class Llama3JsonParser(TextWalk):
             self._content(text[pos:])
             return len(text)
         if mode == _CALL:
-            end = self._read_call(text, pos)
-            reader = self._reader
-            assert reader is not None
-            if reader.rejected:
-                self._reject()
+            end, outcome = self._advance_call(text, pos)
+            if outcome is CallOutcome.REJECTED:
                 self._mode = _CONTENT
-            elif reader.done:
-                self._reader = None
+            elif outcome is not CallOutcome.READING:
                 self._mode = _SEP
             return end
         j = skip_whitespace(text, pos)

@@ -17,8 +17,8 @@ Rules of this parser:
 from __future__ import annotations
 
 from srt.function_call.core import ToolSpec
-from srt.function_call.json_scan import partial_start, skip_whitespace
-from srt.function_call.walker import TextWalk
+from srt.function_call.json_scan import skip_whitespace
+from srt.function_call.walker import CallOutcome, TextWalk
 
 MARKER = "[TOOL_CALLS]"
 
@@ -45,25 +45,16 @@ class MistralParser(TextWalk):
     def _step(self, text: str, pos: int) -> int:
         mode = self._mode
         if mode == _CONTENT:
-            i = text.find(MARKER, pos)
-            if i < 0:
-                cut = partial_start(text, pos, MARKER)
-                self._content(text[pos:cut])
-                self._carry = text[cut:]
+            end = self._content_until(text, pos, MARKER)
+            if end < 0:
                 return len(text)
-            self._content(text[pos:i])
-            self._held = [MARKER]
             self._mode = _OPEN
-            return i + len(MARKER)
+            return end
         if mode == _CALL:
-            end = self._read_call(text, pos)
-            reader = self._reader
-            assert reader is not None
-            if reader.rejected:
-                self._reject()
+            end, outcome = self._advance_call(text, pos)
+            if outcome is CallOutcome.REJECTED:
                 self._mode = _CONTENT
-            elif reader.done:
-                self._reader = None
+            elif outcome is not CallOutcome.READING:
                 self._mode = _AFTER if self._single else _SEP
             return end
         j = skip_whitespace(text, pos)

@@ -25,9 +25,10 @@ from __future__ import annotations
 import json
 from abc import abstractmethod
 from collections.abc import Container
+from enum import Enum
 
 from srt.function_call.core import StreamDelta, ToolCallDelta, ToolCallParser, ToolSpec
-from srt.function_call.json_scan import ObjectScanner
+from srt.function_call.json_scan import ObjectScanner, partial_start
 
 ARGUMENT_KEYS = ("arguments", "parameters")  # every format's key, accepted by all of them
 
@@ -92,6 +93,13 @@ def _string_value(raw: str) -> str:
     return value if isinstance(value, str) else ""
 
 
+class CallOutcome(Enum):
+    READING = "reading"  # the call object goes on in the next delta
+    REJECTED = "rejected"  # not a call after all: its text became content
+    DONE = "done"  # a committed call, its object closed
+    MALFORMED = "malformed"  # a committed call whose JSON broke off: resynchronise
+
+
 class TextWalk(ToolCallParser):
     """Base of the format parsers: `_step` advances one mode at a time through the text."""
 
@@ -140,6 +148,34 @@ class TextWalk(ToolCallParser):
     def _start_call(self) -> None:
         """The next character is the `{` of a candidate call (its prefix is in `_held`)."""
         self._reader = CallReader(self.tools, self._ncalls)
+
+    def _content_until(self, text: str, pos: int, marker: str) -> int:
+        """Content mode: the text up to `marker` is content; a partial marker at the end is
+        carried to the next delta. Returns the position after the marker (whose text is
+        held, as the start of a candidate call), or -1 when the text ended first."""
+        i = text.find(marker, pos)
+        if i < 0:
+            cut = partial_start(text, pos, marker)
+            self._content(text[pos:cut])
+            self._carry = text[cut:]
+            return -1
+        self._content(text[pos:i])
+        self._held = [marker]
+        return i + len(marker)
+
+    def _advance_call(self, text: str, pos: int) -> tuple[int, CallOutcome]:
+        """Read on in the current call: (new position, what became of it). A rejected
+        candidate's text is content by now; a finished call's reader is released."""
+        end = self._read_call(text, pos)
+        reader = self._reader
+        assert reader is not None
+        if reader.rejected:
+            self._reject()
+            return end, CallOutcome.REJECTED
+        if not reader.done:
+            return end, CallOutcome.READING
+        self._reader = None
+        return end, CallOutcome.MALFORMED if reader.malformed else CallOutcome.DONE
 
     def _read_call(self, text: str, pos: int) -> int:
         """Feed the current reader; while uncommitted, keep what it read in `_held`."""

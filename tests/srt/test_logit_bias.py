@@ -3,7 +3,6 @@ application to a batch's logits (`SamplingBatchInfo`, `Sampler`), on CPU tensors
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -15,18 +14,9 @@ from srt.entrypoints.openai.protocol import SamplingRequest
 from srt.entrypoints.openai.serving_utils import sampling_params
 from srt.sampling import Sampler, SamplingBatchInfo, SamplingParams
 from srt.sampling.sampling_params import MAX_LOGIT_BIAS, InvalidSamplingParam
+from tests.srt.test_sampling import FakeReq
 
 NEG_INF = float("-inf")
-
-
-@dataclass
-class FakeReq:
-    """Test double for the scheduler's Req (the ReqLike protocol)."""
-
-    sampling_params: SamplingParams
-    origin_input_ids: list[int] = field(default_factory=list)
-    output_ids: list[int] = field(default_factory=list)
-    sampling_seed: int = 0
 
 
 def checked(**kwargs: Any) -> SamplingParams:
