@@ -45,15 +45,14 @@ def refusal(body: dict[str, Any], server: ServerToolConfig = HERMES) -> RequestE
 
 def test_tool_choice_decisions() -> None:
     auto = ToolUse.from_request(request(tools=[WEATHER]), HERMES)
-    assert auto.parser == "hermes" and auto.forced is None and auto.template_tools
+    assert auto.parser == "hermes" and not auto.forced and auto.template_tools
     none = ToolUse.from_request(request(tools=[WEATHER], tool_choice="none"), HERMES)
-    assert none.template_tools is None and none.parser is None and none.forced is None
+    assert none.template_tools is None and none.parser is None and not none.forced
     required = ToolUse.from_request(request(tools=[WEATHER], tool_choice="required"), HERMES)
-    assert required.forced == "required" and required.reasoning is None
+    assert required.forced and required.named is None and required.reasoning is None
     named = {"type": "function", "function": {"name": "get_weather"}}
-    assert ToolUse.from_request(request(tools=[WEATHER], tool_choice=named), HERMES).forced == (
-        "get_weather"
-    )
+    by_name = ToolUse.from_request(request(tools=[WEATHER], tool_choice=named), HERMES)
+    assert by_name.forced and by_name.named == "get_weather"
     # required and named need no parser; auto does.
     assert ToolUse.from_request(
         request(tools=[WEATHER], tool_choice="required"), ServerToolConfig()

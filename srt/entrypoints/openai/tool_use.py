@@ -33,7 +33,14 @@ from srt.entrypoints.openai.protocol import (
     NamedToolChoice,
 )
 from srt.entrypoints.openai.serving_utils import json_schema_source
-from srt.function_call import TOOL_PARSERS, ToolCallDelta, ToolCallParser, ToolSpec
+from srt.function_call import (
+    TOOL_PARSERS,
+    ForcedToolCallParser,
+    ToolCallDelta,
+    ToolCallParser,
+    ToolSpec,
+    tool_choice_schema,
+)
 from srt.reasoning_parser import REASONING_PARSERS, ReasoningParser
 
 # OpenAI's rule for function names.
@@ -74,7 +81,8 @@ class ToolUse:
     template_tools: list[dict[str, Any]] | None  # what the chat template is given
     specs: list[ToolSpec] = field(default_factory=list)
     parser: str | None = None  # the model-format parser reading calls (tool_choice auto)
-    forced: str | None = None  # "required" or the named function when the grammar forces calls
+    forced: bool = False  # a grammar forces the calls: tool_choice required or a named one
+    named: str | None = None  # the function a named tool_choice forces
     reasoning: str | None = None  # the reasoning parser, when reasoning is separated
 
     @classmethod
@@ -96,8 +104,7 @@ class ToolUse:
                     f"tool_choice names `{named}`, which is not in tools", "tool_choice"
                 )
             _check_no_other_grammar(req)
-            forced = named if named is not None else "required"
-            return cls(template_tools=template_tools, specs=specs, forced=forced)
+            return cls(template_tools=template_tools, specs=specs, forced=True, named=named)
         if server.tool_call_parser is None:
             raise RequestError(
                 "tool_choice auto (the default when tools are given) needs a server started "
@@ -115,25 +122,20 @@ class ToolUse:
     def apply(self, params: dict[str, Any], parallel: bool) -> None:
         """Sampling params for the reading: the forcing grammar; special tokens kept where
         the parser's markers are special tokens."""
-        if self.forced is not None:
-            from srt.function_call.forced import tool_choice_schema
-
-            named = None if self.forced == "required" else self.forced
-            params["json_schema"] = json.dumps(tool_choice_schema(self.specs, named, parallel))
+        if self.forced:
+            schema = tool_choice_schema(self.specs, self.named, parallel)
+            params["json_schema"] = json.dumps(schema)
         elif self.parser is not None and TOOL_PARSERS.get(self.parser).needs_special_tokens:
             params["skip_special_tokens"] = False
 
     def schema_source(self, req: ChatCompletionRequest) -> str:
         """The request field a grammar refusal names: `tools` when they built it."""
-        return "tools" if self.forced is not None else json_schema_source(req)
+        return "tools" if self.forced else json_schema_source(req)
 
     def reader(self) -> ChoiceReader:
         tools: ToolCallParser | None = None
-        if self.forced is not None:
-            from srt.function_call.forced import ForcedToolCallParser
-
-            named = None if self.forced == "required" else self.forced
-            tools = ForcedToolCallParser(self.specs, named)
+        if self.forced:
+            tools = ForcedToolCallParser(self.specs, self.named)
         elif self.parser is not None:
             tools = TOOL_PARSERS.create(self.parser, self.specs)
         reasoning = REASONING_PARSERS.create(self.reasoning) if self.reasoning else None
