@@ -140,6 +140,18 @@ class ServerArgs:
     )
     enable_mixed_chunk: bool = _opt(False, "run decodes together with a prefill chunk")
     disable_overlap_schedule: bool = _opt(False, "use the normal (non-overlap) event loop")
+    # Tensor parallelism
+    tp_size: int = _opt(1, "tensor-parallel ranks (scheduler processes), over all nodes")
+    nnodes: int = _opt(1, "machines the tensor-parallel ranks run on")
+    node_rank: int = _opt(0, "this machine's index among --nnodes (0 serves HTTP)")
+    dist_init_addr: str | None = _opt(
+        None,
+        "host:port where rank 0 hosts the group's TCP store; needed with --nnodes > 1 "
+        "(default: a free port on 127.0.0.1)",
+    )
+    dist_timeout: float = _opt(
+        60.0, "seconds every rank has to join the tensor-parallel group at start-up"
+    )
     # Prefill/decode disaggregation
     disaggregation_mode: str = _opt(
         "null", "serve as a prefill or decode server of a PD pair", ["null", "prefill", "decode"]
@@ -215,12 +227,30 @@ class ServerArgs:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if not self.watchdog_timeout > 0:
             raise ValueError(f"watchdog_timeout must be > 0 s, got {self.watchdog_timeout}")
+        self._check_parallelism()
         if self.chunked_prefill_size is not None and self.chunked_prefill_size <= 0:
             self.chunked_prefill_size = -1
         if self.kv_events_config is not None:
             # A bad config fails here, at once, not after the model has loaded. (Only this
             # path imports the KV-events module: see the module docstring.)
             import_target("mem_cache.kv_events:KVEventsConfig").from_json(self.kv_events_config)
+
+    def _check_parallelism(self) -> None:
+        if self.tp_size < 1 or self.nnodes < 1:
+            raise ValueError(f"tp_size and nnodes must be >= 1, got {self.tp_size}, {self.nnodes}")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"tp_size {self.tp_size} must be a multiple of nnodes {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr host:port (node 0's address)")
+        if not self.dist_timeout > 0:
+            raise ValueError(f"dist_timeout must be > 0 s, got {self.dist_timeout}")
+        if self.tp_size > 1 and self.disaggregation_mode != "null":
+            raise ValueError(
+                "PD disaggregation with --tp-size > 1 is not supported yet: the KV transfer "
+                "moves one pool, and each rank holds only its own KV heads"
+            )
 
     @property
     def chunk_size(self) -> int | None:

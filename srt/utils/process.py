@@ -28,8 +28,10 @@ logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 # A child that ends itself on purpose exits with one of these codes, so the parent can say why.
 WATCHDOG_EXIT_CODE = 70  # sysexits' EX_SOFTWARE: the scheduler's step watchdog fired
+TP_PEER_LOST_EXIT_CODE = 71  # sysexits' EX_OSERR: a tensor-parallel collective failed
 _EXIT_REASONS = {
     WATCHDOG_EXIT_CODE: "its watchdog found a scheduler step running past --watchdog-timeout",
+    TP_PEER_LOST_EXIT_CODE: "a tensor-parallel peer rank was lost",
 }
 IPC_DIR_PREFIX = "radixrt-"
 _IPC_DIR_NAME = re.compile(rf"{IPC_DIR_PREFIX}(\d+)-\w+")
