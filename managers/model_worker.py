@@ -14,6 +14,7 @@ import torch
 
 from managers.schedule_batch import GenerationBatchResult, ModelWorkerBatch
 from srt.configs.model_config import ModelConfig
+from srt.distributed import TPGroup
 from srt.model_executor.forward_batch import ForwardBatch
 from srt.model_executor.model_runner import ModelRunner
 from srt.sampling.sampler import get_token_logprobs, get_top_logprobs
@@ -27,8 +28,14 @@ TEST_HANG_AT_FORWARD_ENV = "RADIXRT_TEST_HANG_AT_FORWARD"
 
 
 class ModelWorker:
-    def __init__(self, server_args: ServerArgs, model_config: ModelConfig | None = None) -> None:
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        model_config: ModelConfig | None = None,
+        tp: TPGroup | None = None,
+    ) -> None:
         self.server_args = server_args
+        self.tp = tp or TPGroup.single()
         self.model_config = model_config or ModelConfig.from_path(
             server_args.model_path,
             dtype=server_args.dtype,
@@ -36,7 +43,7 @@ class ModelWorker:
             cache_dir=server_args.cache_dir,
             device=server_args.resolved_device(),
         )
-        self.model_runner = ModelRunner(self.model_config, server_args)
+        self.model_runner = ModelRunner(self.model_config, server_args, self.tp)
         self.device = self.model_runner.device
         self.num_forwards = 0
         self.hang_at_forward = int(os.environ.get(TEST_HANG_AT_FORWARD_ENV) or 0)

@@ -23,6 +23,7 @@ from attention.registry import create_attention_backend, resolve_attention_backe
 from mem_cache.allocator import TokenToKVPoolAllocator
 from mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from srt.configs.model_config import ModelConfig
+from srt.distributed import TPGroup
 from srt.layers.cpu_packed import prepack_cpu_weights
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner
 from srt.model_executor.forward_batch import ForwardBatch
@@ -62,7 +63,10 @@ __all__ = [
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, server_args: ServerArgs) -> None:
+    def __init__(
+        self, model_config: ModelConfig, server_args: ServerArgs, tp: TPGroup | None = None
+    ) -> None:
+        self.tp = tp or TPGroup.single()
         self.model_config = model_config
         self.server_args = server_args
         self.device = server_args.resolved_device()
