@@ -232,11 +232,23 @@ class SchedulerState:
     new_token_ratio: float
     forward_ct: int
     memory_integrity: MemoryIntegrity
+    tp_rank: int = 0
 
 
 @dataclass
 class GetInternalStateReqOutput:
-    state: SchedulerState
+    state: SchedulerState  # tensor-parallel rank 0's
+    ranks: list[SchedulerState] = field(default_factory=list)  # ranks 1.. (tp > 1 only)
+
+
+@dataclass(slots=True)
+class StepInput:
+    """Tensor-parallel rank 0 -> every rank, once per event-loop iteration (even when empty),
+    so that every rank's scheduler takes the same decisions from the same inputs."""
+
+    msgs: list[Any]  # what rank 0 received: requests, aborts, flushes, state queries
+    now: float  # rank 0's time.monotonic(): the clock of every rank's deadlines
+    grammar_done: list[str]  # rids whose grammar compile rank 0 saw finish (or time out)
 
 
 @dataclass
