@@ -3,6 +3,10 @@
 Tests and `bench/` use it to drive the real scheduler with the real model (or a scripted
 worker). The multi-process Engine sends the same `TokenizedGenerateReqInput` messages, built by
 the same `make_requests`, to a scheduler in another process.
+
+With `tp` (a rank's `TPGroup`), each rank of a tensor-parallel group runs its own driver and
+must make the same calls in the same order; pass explicit `rid`s, since the default ones
+contain a random part that differs between processes.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from managers.io_struct import AbortReq, BatchTokenIDOut, FinishReason
 from managers.parallel_sampling import make_requests
 from managers.scheduler import Scheduler
 from managers.validation import check_sampling_params, parse_sampling_params
+from srt.distributed import TPGroup
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 
@@ -34,11 +39,17 @@ def trim_stop_str(text: str, finish_reason: FinishReason | None, params: Samplin
 
 
 class InProcessDriver:
-    def __init__(self, server_args: ServerArgs, worker: Any = None, tokenizer: Any = None) -> None:
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        worker: Any = None,
+        tokenizer: Any = None,
+        tp: TPGroup | None = None,
+    ) -> None:
         if worker is None:
             from managers.model_worker import ModelWorker
 
-            worker = ModelWorker(server_args)
+            worker = ModelWorker(server_args, tp=tp)  # `tp` only builds the worker
         if tokenizer is None and not server_args.skip_tokenizer_init:
             path = getattr(worker.model_config, "model_path", None)
             if path is not None:

@@ -2,6 +2,12 @@
 
 The scheduler only talks to this interface (`model_config`, `get_memory_pool()`,
 `forward_batch_generation()`), which is what lets tests swap in a scripted worker.
+
+Tensor parallelism: every rank samples from the same all-gathered float32 logits with the
+same seeded sampler, then takes rank 0's ids (`TPGroup.broadcast_tensor`, on the thread
+that runs forwards). So the ids every rank feeds back into its scheduler are rank 0's by
+construction, even where ranks' CPUs round differently. A follower counts the ids it had
+sampled differently in `tp_sample_mismatches` (tests assert 0 on one machine).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ class ModelWorker:
         self.model_runner = ModelRunner(self.model_config, server_args, self.tp)
         self.device = self.model_runner.device
         self.num_forwards = 0
+        self.tp_sample_mismatches = 0  # ids this rank sampled unlike rank 0 (tp > 1 only)
         self.hang_at_forward = int(os.environ.get(TEST_HANG_AT_FORWARD_ENV) or 0)
         if self.hang_at_forward:
             logger.warning(
@@ -98,7 +105,10 @@ class ModelWorker:
                 return_logprob=mwb.return_logprob,
                 top_logprobs_nums=mwb.top_logprobs_nums,
             )
-        result = GenerationBatchResult(next_token_ids=out.next_token_ids.tolist())
+        next_ids = out.next_token_ids
+        if self.tp.size > 1:
+            next_ids = self._take_leader_ids(next_ids)
+        result = GenerationBatchResult(next_token_ids=next_ids.tolist())
         if mwb.return_logprob:
             result.next_token_logprobs = out.next_token_logprobs.tolist()
             if out.top_logprobs_val is not None:
@@ -109,6 +119,23 @@ class ModelWorker:
         if any(spec is not None for spec in mwb.input_logprob_specs):
             self._input_logprobs(logits, mwb, result)
         return result
+
+    def _take_leader_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rank 0's sampled ids, on every rank; counts where this rank's differed."""
+        own = ids.clone()
+        leader = self.tp.broadcast_tensor(ids.contiguous(), 0)
+        differ = int((own != leader).sum())
+        if differ:
+            self.tp_sample_mismatches += differ
+            logger.debug(
+                "TP rank %d: %d of %d sampled ids differ from rank 0's (forward %d, %d so far)",
+                self.tp.rank,
+                differ,
+                len(own),
+                self.num_forwards,
+                self.tp_sample_mismatches,
+            )
+        return leader
 
     @staticmethod
     def _input_logprobs(

@@ -3,7 +3,8 @@ scheduler builds batch N+1 and post-processes batch N while forward N+1 runs.
 
 Future token ids: `launch` returns at once with one negative placeholder per request,
 `-(slot)`, naming a slot of `future_map` that the thread fills with the sampled token when
-the forward is done. The next batch may carry placeholders as input ids; the thread swaps
+the forward is done (with tensor parallelism, rank 0's token: the worker broadcasts the ids
+on this thread, over the model group, before it returns them). The next batch may carry placeholders as input ids; the thread swaps
 them for the real tokens just before that forward (it runs forwards in order, so the slot is
 always filled by then). Results come back in launch order through a queue; a result is put
 there only once its token lists are on the host, which is the copy-done point (on a GPU the

@@ -11,10 +11,19 @@ everything resident and a profiled activation peak; on CPU a fraction of free RA
 the decode graphs are captured (CUDA, a backend that supports them, no
 `--disable-cuda-graph`). `forward` replays a graph for DECODE batches that fit one and runs
 eagerly otherwise.
+
+Tensor parallelism (`tp`, this rank's `TPGroup`): the model holds this rank's shard, so
+everything sized by attention heads (the attention backend, the KV pool and its sizing, the
+profiled forward) reads `local_config`, the model config with this rank's head counts
+(`head_layout`). Each rank sizes its pool from its own memory, then all take the smallest
+size (`TPGroup.agree_min`), so their allocators and radix trees stay identical. On CPU, the
+ranks of one machine share its RAM: each takes `1 / local ranks` of the fraction. Decode
+CUDA graphs are off when tp > 1 (capturing NCCL collectives is not done yet).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -23,7 +32,7 @@ from attention.registry import create_attention_backend, resolve_attention_backe
 from mem_cache.allocator import TokenToKVPoolAllocator
 from mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from srt.configs.model_config import ModelConfig
-from srt.distributed import TPGroup
+from srt.distributed import TPGroup, head_layout
 from srt.layers.cpu_packed import prepack_cpu_weights
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner
 from srt.model_executor.forward_batch import ForwardBatch
@@ -62,12 +71,28 @@ __all__ = [
 ]
 
 
+def local_model_config(model_config: ModelConfig, tp: TPGroup) -> ModelConfig:
+    """`model_config` with this rank's attention head counts (itself at tp=1). A model whose
+    heads cannot be split over the ranks is a ValueError from `head_layout`."""
+    if tp.size == 1:
+        return model_config
+    layout = head_layout(
+        model_config.num_attention_heads, model_config.num_key_value_heads, tp.size, tp.rank
+    )
+    return dataclasses.replace(
+        model_config,
+        num_attention_heads=layout.num_heads,
+        num_key_value_heads=layout.num_kv_heads,
+    )
+
+
 class ModelRunner:
     def __init__(
         self, model_config: ModelConfig, server_args: ServerArgs, tp: TPGroup | None = None
     ) -> None:
         self.tp = tp or TPGroup.single()
         self.model_config = model_config
+        self.local_config = local_model_config(model_config, self.tp)
         self.server_args = server_args
         self.device = server_args.resolved_device()
         torch.manual_seed(server_args.random_seed)
@@ -79,8 +104,8 @@ class ModelRunner:
         )
         self.attn_backend = create_attention_backend(
             self.attn_backend_name,
-            num_heads=model_config.num_attention_heads,
-            num_kv_heads=model_config.num_key_value_heads,
+            num_heads=self.local_config.num_attention_heads,
+            num_kv_heads=self.local_config.num_key_value_heads,
             head_dim=model_config.head_dim,
             dtype=model_config.dtype,
             device=self.device,
@@ -91,13 +116,16 @@ class ModelRunner:
         self.cuda_graph_runner = self.init_cuda_graphs()
 
     def init_memory_pool(self) -> None:
-        cfg, args = self.model_config, self.server_args
+        cfg, args = self.local_config, self.server_args
         max_reqs_bound = args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
         if self.device.startswith("cuda") and args.max_total_tokens is None:
-            self.max_total_tokens = self._profiled_pool_tokens(max_reqs_bound)
+            tokens = self._profiled_pool_tokens(max_reqs_bound)
         else:
-            free = 0 if args.max_total_tokens is not None else available_memory_bytes(self.device)
-            self.max_total_tokens = pool_size_tokens(
+            free = 0
+            if args.max_total_tokens is None:
+                # The ranks on this machine share its RAM (one GPU each does not need this).
+                free = available_memory_bytes(self.device) // self.local_ranks()
+            tokens = pool_size_tokens(
                 cfg,
                 args.max_total_tokens,
                 args.mem_fraction_static,
@@ -105,6 +133,10 @@ class ModelRunner:
                 self.device,
                 free,
             )
+        # Ranks measured their memory at different moments; they must hold the same pool,
+        # or their allocators (and so their batches) would diverge. Scheduler thread, before
+        # any forward thread exists: the control group's one user.
+        self.max_total_tokens = self.tp.agree_min(tokens)
         max_reqs = args.max_running_requests or min(
             DEFAULT_MAX_RUNNING_REQUESTS, max(self.max_total_tokens // 2, 1)
         )
@@ -124,18 +156,34 @@ class ModelRunner:
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, args.page_size, self.device)
         logger.info(
             "KV pool: %d tokens (%.2f GiB, %s), max running requests %d, page size %d, "
-            "attention backend %s",
+            "attention backend %s%s",
             self.max_total_tokens,
             self.token_to_kv_pool.get_kv_size_bytes() / GIB,
             cfg.dtype,
             max_reqs,
             args.page_size,
             self.attn_backend_name,
+            self._tp_note(tokens),
+        )
+
+    def local_ranks(self) -> int:
+        """The tensor-parallel ranks on this machine: every node runs the same number
+        (`ServerArgs` checks that tp size is a multiple of --nnodes)."""
+        return max(1, self.tp.size // self.server_args.nnodes)
+
+    def _tp_note(self, own_tokens: int) -> str:
+        if self.tp.size == 1:
+            return ""
+        cfg = self.local_config
+        return (
+            f", TP rank {self.tp.rank} of {self.tp.size} ({cfg.num_attention_heads} q / "
+            f"{cfg.num_key_value_heads} KV heads here; this rank alone could hold "
+            f"{own_tokens} tokens)"
         )
 
     def _profiled_pool_tokens(self, max_reqs: int) -> int:
         """GPU: size the pool from the device's memory after weights and a profiled peak."""
-        cfg, args = self.model_config, self.server_args
+        cfg, args = self.local_config, self.server_args
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
@@ -154,7 +202,7 @@ class ModelRunner:
         # Allocated after the sizing, so not in `used`: the request table (at its largest,
         # max_reqs rows) and the decode graphs, when init_cuda_graphs will capture them.
         columns = req_to_token_columns(cfg.context_len)
-        graphs = not args.disable_cuda_graph and self.attn_backend.supports_cuda_graph
+        graphs = self._graphs_possible()
         graph_bs = min(args.cuda_graph_max_bs, max_reqs) if graphs else 0
         table = req_to_token_bytes(max_reqs, columns)
         graph_mem = cuda_graph_reserve_bytes(graph_bs, columns, args.page_size)
@@ -183,12 +231,26 @@ class ModelRunner:
         )
         return round_pool_size(tokens, args.page_size)
 
+    def _graphs_possible(self) -> bool:
+        return (
+            not self.server_args.disable_cuda_graph
+            and self.attn_backend.supports_cuda_graph
+            and self.tp.size == 1
+        )
+
     def init_cuda_graphs(self) -> CudaGraphRunner | None:
         args = self.server_args
         if not self.device.startswith("cuda") or args.disable_cuda_graph:
             return None
         if not self.attn_backend.supports_cuda_graph:
             logger.info("Decode CUDA graphs off: %s cannot be captured", self.attn_backend_name)
+            return None
+        if self.tp.size > 1:
+            logger.info(
+                "Decode CUDA graphs off: tp size %d (capturing the NCCL all-reduces is not "
+                "supported yet)",
+                self.tp.size,
+            )
             return None
         max_bs = min(args.cuda_graph_max_bs, self.max_running_requests)
         if max_bs < 1:

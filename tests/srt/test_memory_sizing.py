@@ -7,6 +7,7 @@ import torch
 
 from attention.torch_native_backend import TorchNativeAttnBackend
 from mem_cache.memory_pool import ReqToTokenPool
+from srt.distributed import TPGroup
 from srt.model_executor.memory_sizing import (
     CUDA_GRAPH_BYTES_PER_BATCH,
     build_profile_batch,
@@ -170,6 +171,8 @@ def test_runner_sizing_subtracts_table_and_graphs(
         disable_cuda_graph=not graphs,
         cuda_graph_max_bs=160,
     )
+    runner.local_config = runner.model_config  # tp=1: this rank holds every head
+    runner.tp = TPGroup.single()
     runner.attn_backend = SimpleNamespace(supports_cuda_graph=True)
     tokens = runner._profiled_pool_tokens(256)
 
