@@ -68,6 +68,10 @@ class OverlapWorker:
         self.inputs: queue.Queue[Launch | None] = queue.Queue()
         self.outputs: queue.Queue[LaunchedForward] = queue.Queue()
         device = torch.device(getattr(worker, "device", "cpu"))
+        if device.type == "cuda" and device.index is None:
+            # The current device is per thread and a new thread starts on cuda:0; a
+            # tensor-parallel rank's is its own GPU, so name it for the forward thread.
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         # The thread holds only a weak reference, so a dropped scheduler frees its model and
         # KV pool; the finalizer then ends the thread.
@@ -142,7 +146,9 @@ def _forward_loop(
     stream = None
     if device.type == "cuda":
         # Forwards go on a stream of their own, off the scheduler's default stream (the
-        # current stream is per thread, so this changes only this thread's).
+        # current stream is per thread, so this changes only this thread's), on the
+        # scheduler thread's device (the current device is per thread too).
+        torch.cuda.set_device(device)
         stream = torch.cuda.Stream(device)
         torch.cuda.set_stream(stream)
     last_end = time.perf_counter()

@@ -70,8 +70,15 @@ class FakeCuda:
     def set_stream(self, stream: FakeStream) -> None:
         self.local.stream = stream
 
+    def current_device(self) -> int:
+        return 1  # the scheduler thread of a tensor-parallel rank on GPU 1
+
+    def set_device(self, device: torch.device) -> None:
+        self.log.append(("set_device", str(device)))
+
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        for name in ("Stream", "Event", "current_stream", "set_stream"):
+        names = ("Stream", "Event", "current_stream", "set_stream", "current_device", "set_device")
+        for name in names:
             monkeypatch.setattr(torch.cuda, name, getattr(self, name))
 
 
@@ -132,6 +139,9 @@ def test_forward_stream_waits_for_each_launch_event(cuda: FakeCuda, make_worker)
     assert [r.next_token_ids for r in results] == [[101] * 2, [102] * 3, [201]]
 
     log = list(cuda.log)
+    # The forward thread starts on the scheduler thread's device, not on cuda:0.
+    assert log.count(("set_device", "cuda:1")) == 1
+    assert log.index(("set_device", "cuda:1")) < log.index(("forward", 1, "side1"))
     records = [e for e in log if e[0] == "record"]
     waits = [e for e in log if e[0] == "wait"]
     forwards = [e for e in log if e[0] == "forward"]
@@ -154,7 +164,7 @@ def test_cpu_worker_touches_no_cuda_api(monkeypatch: pytest.MonkeyPatch, make_wo
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("torch.cuda used on a CPU worker")
 
-    for name in ("Stream", "Event", "current_stream", "set_stream"):
+    for name in ("Stream", "Event", "current_stream", "set_stream", "current_device", "set_device"):
         monkeypatch.setattr(torch.cuda, name, refuse)
     cuda = FakeCuda()
     ow = make_worker(LoggingWorker(cuda, device="cpu"))
