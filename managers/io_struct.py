@@ -248,7 +248,9 @@ class StepInput:
 
     msgs: list[Any]  # what rank 0 received: requests, aborts, flushes, state queries
     now: float  # rank 0's time.monotonic(): the clock of every rank's deadlines
-    grammar_done: list[str]  # rids whose grammar compile rank 0 saw finish (or time out)
+    # The grammar compiles rank 0 saw done (`GrammarQueue` entry seqs; the others time out
+    # by `now`); None: each scheduler decides for itself (tp=1).
+    grammar_done: list[int] | None
 
 
 @dataclass

@@ -7,17 +7,25 @@ The loop drains every pending message before each step, so a burst of arrivals j
 prefill batch; when the scheduler is idle it blocks on the socket instead of spinning.
 Readiness (or the startup error) goes back to the parent through a pipe.
 
+Tensor parallelism (`--tp-size N`): one such process per rank, each with its model shard.
+Rank 0 alone has the sockets; every iteration it sends what it received, its time and its
+grammar decisions to the other ranks (`managers/tp_sync.py`), and every rank runs the same
+loop on that input, so their schedulers stay identical. The other ranks send nothing: no
+outputs, no replies, no stats, no KV events. A state query gathers every rank's state.
+
 Liveness: `SchedulerStats` goes out at least every `STATS_INTERVAL_S` while the loop turns
 and every `IDLE_POLL_MS` while it is idle, and the main process reads it as a heartbeat
-(`/health` fails once it stops). A `StepWatchdog` thread ends the process with
-`WATCHDOG_EXIT_CODE` when one iteration (the messages it handles and its scheduler step, a
-forward included) runs past `--watchdog-timeout`: it logs what was running and every
-thread's stack first. The main process then fails the open requests with 503 and exits 1,
-as for any dead child.
+(`/health` fails once it stops). A `StepWatchdog` thread (one per rank) ends the process
+with `WATCHDOG_EXIT_CODE` when one iteration (the messages it handles and its scheduler
+step, a forward included) runs past `--watchdog-timeout`: it logs what was running and every
+thread's stack first. A rank that loses a tensor-parallel peer exits with
+`TP_PEER_LOST_EXIT_CODE`. The main process then fails the open requests with 503 and exits
+1, as for any dead child.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import logging
 import os
@@ -32,10 +40,23 @@ from typing import Any
 import zmq
 
 from managers.io_struct import (
+    BatchTokenIDOut,
+    GetInternalStateReq,
+    GetInternalStateReqOutput,
     SchedulerReady,
     SchedulerStats,
 )
 from managers.scheduler import Scheduler
+from managers.tp_sync import (
+    IDLE_POLL_MS,
+    FollowerStepSource,
+    LeaderStepSource,
+    LocalStepSource,
+    StepClock,
+    StepSource,
+    exit_if_peer_lost,
+)
+from srt.distributed import TPGroup, TPInitError, TPSpec, init_tp_group
 from srt.server_args import ServerArgs
 from srt.utils.process import (
     WATCHDOG_EXIT_CODE,
@@ -48,7 +69,7 @@ from srt.utils.process import (
 logger = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.5
-IDLE_POLL_MS = 1000
+__all__ = ["IDLE_POLL_MS", "STATS_INTERVAL_S", "SchedulerServer", "StepWatchdog"]
 
 
 class StepWatchdog:
@@ -101,27 +122,48 @@ class StepWatchdog:
 
 
 class SchedulerServer:
-    """Owns the sockets and the loop around one `Scheduler`."""
+    """Owns the sockets (tensor-parallel rank 0 only) and the loop around one `Scheduler`."""
 
-    def __init__(self, server_args: ServerArgs, port_args: PortArgs) -> None:
+    def __init__(
+        self, server_args: ServerArgs, port_args: PortArgs, tp: TPGroup | None = None
+    ) -> None:
         from managers.model_worker import ModelWorker
         from srt.model_loader.loader import get_tokenizer
 
+        tp = tp or TPGroup.single()
         self.server_args = server_args
-        worker = ModelWorker(server_args)
+        self.tp = tp
+        worker = ModelWorker(server_args, tp=tp)
         tokenizer = None
         if not server_args.skip_tokenizer_init:
+            # Every rank: stop strings and grammars need it, and they must agree.
             tokenizer = get_tokenizer(worker.model_config.model_path, server_args.tokenizer_path)
-        ctx = zmq.Context(2)
-        self.recv_from_tokenizer = zmq_socket(
-            ctx, zmq.PULL, port_args.scheduler_input_ipc, bind=True
-        )
-        self.send_to_detokenizer = zmq_socket(ctx, zmq.PUSH, port_args.detokenizer_ipc, bind=False)
-        self.send_to_tokenizer = zmq_socket(ctx, zmq.PUSH, port_args.tokenizer_ipc, bind=False)
+        self.clock = StepClock(live=tp.size == 1)
+        self.send_to_tokenizer: zmq.Socket | None = None
+        recv: zmq.Socket | None = None
+        sink: Callable[[BatchTokenIDOut], None] = _drop_outputs
+        scheduler_args = server_args
+        if tp.is_leader:
+            ctx = zmq.Context(2)
+            recv = zmq_socket(ctx, zmq.PULL, port_args.scheduler_input_ipc, bind=True)
+            to_detokenizer = zmq_socket(ctx, zmq.PUSH, port_args.detokenizer_ipc, bind=False)
+            self.send_to_tokenizer = zmq_socket(ctx, zmq.PUSH, port_args.tokenizer_ipc, bind=False)
+            sink = to_detokenizer.send_pyobj
+        else:
+            # The tree is the same on every rank; rank 0 alone publishes its events.
+            scheduler_args = dataclasses.replace(server_args, kv_events_config=None)
         self.scheduler = Scheduler(
-            server_args, worker, self.send_to_detokenizer.send_pyobj, tokenizer
+            scheduler_args, worker, sink, tokenizer, clock=self.clock, tp_rank=tp.rank
         )
         self.scheduler.raise_on_leak = False
+        self.source: StepSource
+        if recv is None:
+            self.source = FollowerStepSource(tp)
+        elif tp.size == 1:
+            self.source = LocalStepSource(recv)
+        else:
+            grammar_done = self.scheduler.intake.grammar_done_seqs
+            self.source = LeaderStepSource(LocalStepSource(recv, grammar_done), tp)
         self.last_stats_time = 0.0
         self.last_stats_tokens = 0
         self.last_stats_load: tuple[int, int, int] | None = None
@@ -140,15 +182,18 @@ class SchedulerServer:
 
     # ---- loop ----------------------------------------------------------------------
     def event_loop(self, parent_pid: int) -> None:
+        """The same on every rank: rank 0's step input, its messages, one scheduler step."""
         self.watchdog.start()
         while True:
-            msgs = self.recv_requests()
+            step = self.source.next_step(idle=self.scheduler.is_idle())
             self.watchdog.begin()
-            for msg in msgs:
+            self.clock.set(step.now)
+            for msg in step.msgs:
                 self.handle(msg)
-            ran = self.scheduler.step()
+            ran = self.scheduler.step(grammar_done=step.grammar_done)
             idle = self.scheduler.is_idle()
-            self.maybe_send_stats(force=idle)  # going idle: report it before the idle poll
+            if self.send_to_tokenizer is not None:
+                self.maybe_send_stats(force=idle)  # going idle: report it before the idle poll
             self.watchdog.end()
             if not ran:
                 if not parent_alive(parent_pid):
@@ -157,21 +202,21 @@ class SchedulerServer:
                 if not idle:
                     time.sleep(0.001)  # requests wait for memory; do not spin
 
-    def recv_requests(self) -> list[Any]:
-        msgs: list[Any] = []
-        # Nothing to run: sleep on the socket (bounded, to notice a dead parent).
-        if self.scheduler.is_idle() and not self.recv_from_tokenizer.poll(IDLE_POLL_MS):
-            return msgs
-        while True:
-            try:
-                msgs.append(self.recv_from_tokenizer.recv_pyobj(zmq.NOBLOCK))
-            except zmq.Again:
-                return msgs
-
     def handle(self, msg: Any) -> None:
-        reply = self.scheduler.handle(msg)
-        if reply is not None:
+        if isinstance(msg, GetInternalStateReq):
+            reply = self.gathered_state()
+        else:
+            reply = self.scheduler.handle(msg)
+        if reply is not None and self.send_to_tokenizer is not None:
             self.send_to_tokenizer.send_pyobj(reply)
+
+    def gathered_state(self) -> GetInternalStateReqOutput | None:
+        """Every rank's state (a collective: every rank handles the same query), answered
+        by rank 0; None on the other ranks."""
+        states = self.tp.gather_objects(self.scheduler.internal_state())
+        if states is None:
+            return None
+        return GetInternalStateReqOutput(states[0], ranks=states[1:])
 
     def describe_step(self) -> str:
         """What the loop was doing, for the watchdog's log line (read while it is stuck)."""
@@ -223,17 +268,42 @@ class SchedulerServer:
 
 
 def run_scheduler_process(
-    server_args: ServerArgs, port_args: PortArgs, ready: Connection, parent_pid: int
+    server_args: ServerArgs,
+    port_args: PortArgs,
+    ready: Connection,
+    parent_pid: int,
+    tp_spec: TPSpec | None = None,
 ) -> None:
-    become_child("scheduler", server_args.log_level)
+    """One scheduler rank (`tp_spec` None: tp=1). The group forms before the model loads,
+    which agrees on the KV pool size over it."""
+    rank = 0 if tp_spec is None else tp_spec.rank
+    become_child("scheduler" if rank == 0 else f"scheduler rank {rank}", server_args.log_level)
     try:
-        server = SchedulerServer(server_args, port_args)
-    except Exception:
+        tp = TPGroup.single() if tp_spec is None else init_tp_group(tp_spec)
+        server = SchedulerServer(server_args, port_args, tp)
+    except TPInitError as e:
+        logger.error("%s", e)
+        ready.send(("error", str(e)))
+        ready.close()
+        sys.exit(1)
+    except BaseException as e:
         ready.send(("error", traceback.format_exc()))
+        exit_if_peer_lost(e, rank)
         raise
     ready.send(("ready", server.ready_message()))
     ready.close()
     logger.info(
-        "Scheduler ready (pid %d, watchdog %.0f s).", os.getpid(), server_args.watchdog_timeout
+        "Scheduler%s ready (pid %d, watchdog %.0f s).",
+        f" rank {rank}" if tp.size > 1 else "",
+        os.getpid(),
+        server_args.watchdog_timeout,
     )
-    server.event_loop(parent_pid)
+    try:
+        server.event_loop(parent_pid)
+    except BaseException as e:
+        exit_if_peer_lost(e, rank)  # else the traceback and exit code 1, as any crash
+        raise
+
+
+def _drop_outputs(_: BatchTokenIDOut) -> None:
+    """The output sink of ranks > 0: rank 0 sends the (identical) outputs."""

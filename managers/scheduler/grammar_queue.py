@@ -6,13 +6,21 @@ requests keep running meanwhile.
 A request that leaves before its grammar is ready (timed out or aborted) cancels the compile
 if no other request waits for it and it has not started; one that started runs to its end on
 its thread (the compiler cannot be interrupted) and its result stays cached for the next
-request with the same grammar."""
+request with the same grammar.
+
+Tensor parallelism: compiles finish at different moments on each rank, so readiness is
+decided once, by rank 0 (`done_seqs`: which compiles are done, after the short idle wait),
+and applied on every rank (`pop_done(..., done=...)`: a rank waits for a compile rank 0 saw
+done, which is deterministic, so it gives the same result a moment later). Entries are named
+by `seq`, the queue's count of adds, which is the same on every rank (a rid may come back
+after an abort). Deadlines read `clock`, which on every rank is rank 0's step time. At tp=1
+`pop_done` decides and applies in one call, as it always did."""
 
 from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any
@@ -34,12 +42,15 @@ class _Entry:
     req: Req
     future: Future[Any]
     deadline: float
+    seq: int  # the queue's count of adds: names the entry on every tensor-parallel rank
 
 
 class GrammarQueue:
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.timeout_s = timeout_s
+        self.clock = clock
         self.entries: list[_Entry] = []
+        self.seq = 0
 
     def __bool__(self) -> bool:
         return bool(self.entries)
@@ -48,7 +59,8 @@ class GrammarQueue:
         return len(self.entries)
 
     def add(self, req: Req, future: Future[Any]) -> None:
-        self.entries.append(_Entry(req, future, time.monotonic() + self.timeout_s))
+        self.seq += 1
+        self.entries.append(_Entry(req, future, self.clock() + self.timeout_s, self.seq))
 
     def remove_if(self, pred: Callable[[Req], bool]) -> list[Req]:
         gone = [e for e in self.entries if pred(e.req)]
@@ -64,20 +76,34 @@ class GrammarQueue:
             if id(e.future) not in wanted:
                 e.future.cancel()
 
+    def done_seqs(self, block: bool) -> list[int]:
+        """The entries whose compile is done (finished or failed), by `seq`: the readiness
+        decision. With `block`, first wait up to `IDLE_WAIT_S` for one to finish."""
+        if block and self.entries:
+            wait([e.future for e in self.entries], IDLE_WAIT_S, FIRST_COMPLETED)
+        return [e.seq for e in self.entries if e.future.done()]
+
     def pop_done(
-        self, new_matcher: Callable[[Any], Any], block: bool
+        self,
+        new_matcher: Callable[[Any], Any],
+        block: bool = False,
+        done: Collection[int] | None = None,
     ) -> tuple[list[Req], list[Req]]:
         """(requests whose grammar is ready, now holding a matcher; requests finished with an
-        error: invalid grammar or compile timeout)."""
-        if block:
-            wait([e.future for e in self.entries], IDLE_WAIT_S, FIRST_COMPLETED)
-        now = time.monotonic()
+        error: invalid grammar or compile timeout).
+
+        `done`: the entries (`seq`) whose compile counts as done, decided by rank 0's
+        `done_seqs`; None decides here (`block` is then `done_seqs`'s). The others time out
+        once `clock` passes their deadline."""
+        done = set(self.done_seqs(block) if done is None else done)
+        now = self.clock()
         ready: list[Req] = []
         failed: list[Req] = []
         keep: list[_Entry] = []
         expired: list[_Entry] = []
         for e in self.entries:
-            if e.future.done():
+            if e.seq in done:
+                # Rank 0 saw it done; here (another rank) it may still run: wait for it.
                 try:
                     e.req.grammar = new_matcher(e.future.result())
                     ready.append(e.req)

@@ -73,7 +73,8 @@ class Intake:
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.disaggregation_mode = server_args.disaggregation_mode
         self.grammar_backend = grammar_backend
-        self.grammar_queue = GrammarQueue(server_args.grammar_compile_timeout)
+        # The deadlines' clock: rank 0's step time on every tensor-parallel rank.
+        self.grammar_queue = GrammarQueue(server_args.grammar_compile_timeout, deadlines.clock)
         self.seed_rng = random.Random(server_args.random_seed)
         self.disagg = disagg
         self.deadlines = deadlines
@@ -222,10 +223,13 @@ class Intake:
         self.output.fail(req, reason, OVERLOADED)
 
     # ---- per step ------------------------------------------------------------------
-    def poll(self) -> None:
+    def poll(self, grammar_done: list[int] | None = None) -> None:
         """Once per step: finish requests past a deadline, let the disaggregation side move
         its requests on, move requests whose grammar compiled to the waiting queue, and fail
-        the invalid ones."""
+        the invalid ones.
+
+        `grammar_done`: which compiles count as done (`grammar_done_seqs` on tensor-parallel
+        rank 0, the same list on every rank); None decides here, as at tp=1."""
         for req, reason in self.deadlines.expired():
             self.num_timed_out_reqs += 1
             logger.info("Request %s: %s", req.rid, reason.message)
@@ -234,12 +238,24 @@ class Intake:
         if not self.grammar_queue:
             return
         assert self.grammar_backend is not None
-        q = self.queues
-        # Nothing else can run: wait briefly for a compile instead of spinning.
-        block = not q.waiting and not q.running and q.last_batch is None
-        ready, failed = self.grammar_queue.pop_done(self.grammar_backend.new_matcher, block)
+        ready, failed = self.grammar_queue.pop_done(
+            self.grammar_backend.new_matcher, self._nothing_else_to_run(), grammar_done
+        )
         self.queues.waiting.extend(ready)
         self.output.emit(failed)
+
+    def grammar_done_seqs(self, may_wait: bool) -> list[int]:
+        """Tensor-parallel rank 0, before its step input goes out: the compiles that count as
+        done this step. With nothing else to run (and `may_wait`), it waits briefly for one
+        first, like `poll` at tp=1."""
+        if not self.grammar_queue:
+            return []
+        return self.grammar_queue.done_seqs(may_wait and self._nothing_else_to_run())
+
+    def _nothing_else_to_run(self) -> bool:
+        """Nothing but compiles to wait for: wait briefly for one instead of spinning."""
+        q = self.queues
+        return not q.waiting and not q.running and q.last_batch is None
 
     def abort(self, msg: AbortReq) -> None:
         def hit(r: Req) -> bool:

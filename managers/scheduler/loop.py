@@ -80,8 +80,13 @@ class Scheduler:
         worker: Any,
         output_sink: Callable[[BatchTokenIDOut], None],
         tokenizer: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+        tp_rank: int = 0,
     ) -> None:
+        """`clock` times the deadlines (a tensor-parallel rank's reads rank 0's step time);
+        `tp_rank` names this rank in its state and its integrity-check errors."""
         self.server_args = server_args
+        self.tp_rank = tp_rank
         self.worker = worker
         cfg = worker.model_config
         self.vocab_size: int = cfg.vocab_size
@@ -111,7 +116,7 @@ class Scheduler:
         self.decode = DecodePlanner(
             self.queues, self.kv, self.output, server_args.schedule_conservativeness
         )
-        self.deadlines = Deadlines(server_args.waiting_timeout, server_args.running_timeout)
+        self.deadlines = Deadlines(server_args.waiting_timeout, server_args.running_timeout, clock)
         self.prefill = PrefillPlanner(
             self.queues, self.kv, self.decode, self.output, server_args, self.deadlines
         )
@@ -175,17 +180,21 @@ class Scheduler:
         # step, so until then `last_batch` still holds live requests.
         return not self.queues.holds_requests() and self.pending is None and not self.intake
 
-    def step(self) -> bool:
+    def step(self, grammar_done: list[int] | None = None) -> bool:
         """One iteration of the configured loop; return whether anything ran. What the step
-        (and the messages before it) did to the prefix tree goes out as one KV-event batch."""
-        ran = self.step_overlap() if self.overlap else self.step_normal()
+        (and the messages before it) did to the prefix tree goes out as one KV-event batch.
+        `grammar_done`: see `Intake.poll`."""
+        if self.overlap:
+            ran = self.step_overlap(grammar_done)
+        else:
+            ran = self.step_normal(grammar_done)
         self.kv_events.publish_step()
         return ran
 
-    def step_normal(self) -> bool:
+    def step_normal(self, grammar_done: list[int] | None = None) -> bool:
         """Build, run, process, in sequence."""
         with record_function("scheduler"):
-            batch = self.next_batch()
+            batch = self.next_batch(grammar_done)
             self.queues.last_batch = batch
             if batch is None:
                 self.output.idle_tracker.pause()
@@ -201,7 +210,7 @@ class Scheduler:
             self.output.process(batch.launch_record(), result)
         return True
 
-    def step_overlap(self) -> bool:
+    def step_overlap(self, grammar_done: list[int] | None = None) -> bool:
         """Build and launch batch N+1, then process batch N while N+1 runs (module doc)."""
         if self.pending is not None and any(
             r.needs_sync() for r in self.pending.reqs if not r.finished()
@@ -210,7 +219,7 @@ class Scheduler:
             self.kv.release_rows(self.kv.take_held_rows())
         launched: BatchLaunch | None = None
         with record_function("scheduler"):
-            batch = self.next_batch()
+            batch = self.next_batch(grammar_done)
             self.queues.last_batch = batch
             if batch is not None:
                 self.was_idle = False
@@ -246,11 +255,11 @@ class Scheduler:
         with record_function("scheduler"):
             self.output.process(launch, done.result)
 
-    def next_batch(self) -> ScheduleBatch | None:
+    def next_batch(self, grammar_done: list[int] | None = None) -> ScheduleBatch | None:
         """Poll the intake queues; merge the last prefill into the running requests; then a
         new prefill batch if one can be built, else a decode step."""
         q = self.queues
-        self.intake.poll()
+        self.intake.poll(grammar_done)
         last = q.last_batch
         if last is not None and last.forward_mode.is_extend():
             keep = last.unfinished()
@@ -284,7 +293,8 @@ class Scheduler:
             self.kv.check_integrity(r.kv for r in self.queues.running)
         except MemoryLeakError as e:
             self.memory_check = MemoryIntegrity(ok=False, error=str(e), time=time.time())
-            logger.error("Memory integrity check failed: %s", e)
+            where = f" on TP rank {self.tp_rank}" if self.tp_rank else ""
+            logger.error("Memory integrity check failed%s: %s", where, e)
             if self.raise_on_leak:
                 raise
         else:
@@ -309,6 +319,7 @@ class Scheduler:
             new_token_ratio=self.decode.ratio.value,
             forward_ct=self.output.forward_ct,
             memory_integrity=self.memory_check,
+            tp_rank=self.tp_rank,
         )
 
 
