@@ -45,6 +45,7 @@ from managers.io_struct import (
     GenerateReqInput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    MemoryIntegrity,
     SchedulerReady,
     SchedulerState,
     SchedulerStats,
@@ -305,9 +306,10 @@ class TokenizerManager:
     async def flush_cache(self) -> FlushCacheReqOutput:
         return await self._control(FlushCacheReq(), FlushCacheReqOutput)
 
-    async def get_internal_state(self) -> SchedulerState:
+    async def get_internal_states(self) -> list[SchedulerState]:
+        """Every scheduler rank's state, rank 0's first (one entry at tp=1)."""
         out = await self._control(GetInternalStateReq(), GetInternalStateReqOutput)
-        return out.state
+        return [out.state, *out.ranks]
 
     async def _control(self, req: Any, reply_type: type) -> Any:
         self.check_alive()
@@ -399,6 +401,25 @@ class TokenizerManager:
         for state in list(self.rid_to_state.values()):
             state.fail(shutting_down(reason))
         self.rid_to_state.clear()
+
+
+def combined_memory_integrity(states: list[SchedulerState]) -> MemoryIntegrity:
+    """One verdict over every rank's KV integrity check: failed if any rank's failed (each
+    error prefixed with its rank), unknown (None) while some rank has not checked yet, else
+    ok; the time is the oldest rank's. At tp=1 it is rank 0's own, unchanged."""
+    if len(states) == 1:
+        return states[0].memory_integrity
+    checks = [(s.tp_rank, s.memory_integrity) for s in states]
+    errors = [f"rank {rank}: {c.error}" for rank, c in checks if c.ok is False]
+    if errors:
+        ok: bool | None = False
+    elif any(c.ok is None for _, c in checks):
+        ok = None
+    else:
+        ok = True
+    times = [c.time for _, c in checks]
+    oldest = None if None in times else min(t for t in times if t is not None)
+    return MemoryIntegrity(ok, "; ".join(errors) or None, oldest)
 
 
 def shutting_down(reason: str) -> str:

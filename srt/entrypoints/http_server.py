@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request, Response
 
 from managers.errors import RequestError
 from managers.io_struct import GenerateReqInput
-from managers.tokenizer_manager import TokenizerManager
+from managers.tokenizer_manager import TokenizerManager, combined_memory_integrity
 from srt.entrypoints.auth import ApiKeyMiddleware, resolve_api_key
 from srt.entrypoints.http_errors import (
     install_error_handlers,
@@ -122,7 +122,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     show_local_paths = resolve_api_key(server_args) is not None
 
     async def server_info() -> Response:
-        state = dataclasses.asdict(await tm.get_internal_state())
+        states = await tm.get_internal_states()
         args = dataclasses.asdict(server_args)
         args.pop("api_key", None)
         if show_local_paths:
@@ -136,8 +136,8 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
                 "version": VERSION,
                 "served_model_name": tm.served_model_name,
                 "max_total_num_tokens": tm.max_total_tokens,
-                "internal_states": [state],
-                "memory_integrity": state["memory_integrity"],
+                "internal_states": [dataclasses.asdict(state) for state in states],
+                "memory_integrity": dataclasses.asdict(combined_memory_integrity(states)),
             }
         )
 

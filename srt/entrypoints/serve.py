@@ -1,5 +1,5 @@
 """`serve(server_args)`: start an `Engine`, run uvicorn until SIGINT/SIGTERM, and exit 0, or
-1 if a child process died.
+1 if a child process died. On a node with `--node-rank > 0`, run `worker_node` instead.
 
 SIGTERM drains: new requests get a 503, running ones have `--shutdown-grace-period` seconds
 to finish, the rest fail with a 503 (an error event on a stream), and the process exits 0.
@@ -89,7 +89,12 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(server_args: ServerArgs) -> int:
-    """Run the server until SIGINT/SIGTERM (exit 0) or until a child dies (exit 1)."""
+    """Run the server until SIGINT/SIGTERM (exit 0) or until a child dies (exit 1). A node
+    with `--node-rank > 0` serves no HTTP: it runs its scheduler ranks (`worker_node`)."""
+    if server_args.node_rank > 0:
+        from srt.entrypoints.worker_node import serve_worker_node
+
+        return serve_worker_node(server_args)
     from srt.entrypoints.engine import Engine
 
     resolve_api_key(server_args)  # a bad key file fails before the model loads
