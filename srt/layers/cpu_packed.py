@@ -11,7 +11,8 @@ bench.bench_dtype --tokens 16 256 1024` with and without `--prepacked`): float32
 (`bench/bench_one_batch.py`): float32 178 -> 134 ms, bfloat16 87 -> 74 ms.
 
 A packed weight is an opaque oneDNN tensor beside the dense parameter, which stays the
-source of truth (weight loading, tied embeddings, tests). Packing is CPU-only and skipped
+source of truth (weight loading, tied embeddings, tests). Under tensor parallelism the dense
+parameter is this rank's shard, and the shard is what gets packed. Packing is CPU-only and skipped
 for dtypes the CPU's oneDNN cannot run (float16 without AVX512-FP16, bf16 without AVX512).
 """
 
@@ -60,11 +61,14 @@ class PackableLinear(nn.Module):
         self.packed_weight = pack_weight(self.weight)
         return True
 
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """x @ weight.T (+ bias unless `add_bias` is False: a row-parallel layer adds it once,
+        after summing the ranks' partial products)."""
+        bias = self.bias if add_bias else None
         packed = self.packed_weight
         if packed is not None and not x.is_cuda and x.dtype == packed.dtype:
-            return packed_linear(x, packed, self.bias)
-        return torch.nn.functional.linear(x, self.weight, self.bias)
+            return packed_linear(x, packed, bias)
+        return torch.nn.functional.linear(x, self.weight, bias)
 
 
 def prepack_cpu_weights(model: nn.Module) -> int:

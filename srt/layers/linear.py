@@ -1,9 +1,18 @@
-"""Linear layers, single device. Merged layers run several projections as one matmul.
+"""Linear layers, plain or split over tensor-parallel ranks.
 
 `QKVLinear` holds q, k and v projections stacked on the output dim and `MergedColumnLinear`
 any list of projections (the MLP's gate and up). Their `weight_loader(param, w, shard_id)`
 places HF's separate `q_proj` / `k_proj` / `v_proj` (shard ids "q", "k", "v") or
 `gate_proj` / `up_proj` (shard ids 0, 1) into the merged weight and bias.
+
+Tensor parallelism (`tp`, a `TPGroup`; size 1 by default, which is the plain layer):
+- column-parallel (`MergedColumnLinear`, `QKVLinear`): each rank holds some output rows of
+  every projection (a balanced range, or its attention heads from a `HeadLayout`) and
+  returns its part of the output; no communication.
+- row-parallel (`RowLinear`): each rank holds some input columns, multiplies its part of the
+  input and the ranks' partial sums are all-reduced; the bias is added once, after.
+Loaders take the full checkpoint tensors and keep this rank's rows or columns; every sharded
+parameter also records its full shape and its cut (`weight_utils.set_tp_take`).
 """
 
 from __future__ import annotations
@@ -11,13 +20,45 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from srt.distributed import HeadLayout, TPGroup, balanced_range
 from srt.layers.cpu_packed import PackableLinear
-from srt.layers.weight_utils import copy_into_shard, default_weight_loader, set_weight_loader
+from srt.layers.weight_utils import (
+    TakeFn,
+    copy_into_shard,
+    default_weight_loader,
+    set_tp_take,
+    set_weight_loader,
+)
+
+
+def _narrow_rows(
+    loaded: torch.Tensor, full_rows: int, rows: tuple[int, int], name: str
+) -> torch.Tensor:
+    """Rows [start, end) of a checkpoint tensor that must have `full_rows` rows."""
+    if loaded.dim() == 0 or loaded.shape[0] != full_rows:
+        raise ValueError(
+            f"shard {name!r}: checkpoint tensor of shape {tuple(loaded.shape)}, "
+            f"expected {full_rows} rows"
+        )
+    return loaded.narrow(0, rows[0], rows[1] - rows[0])
+
+
+def _take_rows(full_offsets: list[int], rows: list[tuple[int, int]]) -> TakeFn:
+    """The cut of a column-parallel parameter: from each projection of the full merged
+    tensor (projection i starts at row `full_offsets[i]`), its local rows `rows[i]`."""
+    parts = [
+        (off + start, end - start) for off, (start, end) in zip(full_offsets, rows, strict=True)
+    ]
+
+    def take(full: torch.Tensor) -> torch.Tensor:
+        return torch.cat([full.narrow(0, start, n) for start, n in parts])
+
+    return take
 
 
 class LinearBase(PackableLinear):
-    """y = x @ W.T + b with W [output_size, input_size] (a oneDNN-packed copy of W on CPU,
-    once `pack_for_cpu` ran: see `srt/layers/cpu_packed.py`)."""
+    """y = x @ W.T + b with W [output_size, input_size], this rank's sizes (a oneDNN-packed
+    copy of W on CPU, once `pack_for_cpu` ran: see `srt/layers/cpu_packed.py`)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -46,19 +87,65 @@ class LinearBase(PackableLinear):
 
 
 class ReplicatedLinear(LinearBase):
-    """A plain linear layer."""
+    """A plain linear layer (the whole weight on every rank)."""
 
 
 class RowLinear(LinearBase):
-    """Input-dim-split linear in tensor parallelism (o_proj, down_proj); one device here."""
+    """Input-dim-split linear (o_proj, down_proj): this rank holds input columns
+    `input_range` (by default its balanced share of `input_size`), takes the matching part
+    of the input, and the partial products are summed over the ranks."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp: TPGroup | None = None,
+        input_range: tuple[int, int] | None = None,
+    ) -> None:
+        self.tp = tp or TPGroup.single()
+        if input_range is None:
+            input_range = balanced_range(input_size, self.tp.size, self.tp.rank)
+        start, end = input_range
+        if not 0 <= start <= end <= input_size:
+            raise ValueError(f"input range {input_range} outside [0, {input_size})")
+        self.full_input_size = input_size
+        self.input_range = input_range
+        super().__init__(end - start, output_size, bias)
+        # The bias is replicated: only the weight is cut (dim 1).
+        set_tp_take(self.weight, (output_size, input_size), self._take_columns)
+
+    def _take_columns(self, full: torch.Tensor) -> torch.Tensor:
+        start, end = self.input_range
+        return full.narrow(1, start, end - start)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self.linear(x)
+        out = self.tp.all_reduce(self.linear(x, add_bias=False))
+        return out if self.bias is None else out.add_(self.bias)
 
 
 class MergedColumnLinear(LinearBase):
-    """Several projections of the same input concatenated on the output dim."""
+    """Several projections of the same input concatenated on the output dim; each rank holds
+    its balanced share of every projection, `[part of 0 | part of 1 | ...]`."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
-        self.output_sizes = list(output_sizes)
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        tp: TPGroup | None = None,
+    ) -> None:
+        self.tp = tp or TPGroup.single()
+        self.full_output_sizes = list(output_sizes)
+        self.output_rows = [balanced_range(n, self.tp.size, self.tp.rank) for n in output_sizes]
+        self.output_sizes = [end - start for start, end in self.output_rows]
         super().__init__(input_size, sum(self.output_sizes), bias)
+        full_offsets = [sum(self.full_output_sizes[:i]) for i in range(len(output_sizes))]
+        take = _take_rows(full_offsets, self.output_rows)
+        for param in self._params():
+            set_tp_take(param, (sum(self.full_output_sizes), *param.shape[1:]), take)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
@@ -68,12 +155,18 @@ class MergedColumnLinear(LinearBase):
             return
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard id must be 0..{len(self.output_sizes) - 1}, got {shard_id!r}")
+        name = str(shard_id)
+        rows = _narrow_rows(
+            loaded_weight, self.full_output_sizes[shard_id], self.output_rows[shard_id], name
+        )
         offset = sum(self.output_sizes[:shard_id])
-        copy_into_shard(param, loaded_weight, offset, self.output_sizes[shard_id], str(shard_id))
+        copy_into_shard(param, rows, offset, self.output_sizes[shard_id], name)
 
 
 class QKVLinear(LinearBase):
-    """q, k and v projections in one matmul; output = [q (H*D) | k (Hkv*D) | v (Hkv*D)]."""
+    """q, k and v projections in one matmul; output = [q (H*D) | k (Hkv*D) | v (Hkv*D)] for
+    this rank's heads (`layout`; None holds every head). A KV head replicated on several
+    ranks is loaded identically on each."""
 
     def __init__(
         self,
@@ -82,16 +175,30 @@ class QKVLinear(LinearBase):
         num_heads: int,
         num_kv_heads: int,
         bias: bool = False,
+        layout: HeadLayout | None = None,
     ) -> None:
+        if layout is None:
+            layout = HeadLayout((0, num_heads), (0, num_kv_heads), replicated_kv=False)
+        self.layout = layout
         self.head_dim = head_dim
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.q_size = num_heads * head_dim
-        self.kv_size = num_kv_heads * head_dim
+        self.total_num_heads = num_heads
+        self.total_num_kv_heads = num_kv_heads
+        self.num_heads = layout.num_heads  # this rank's
+        self.num_kv_heads = layout.num_kv_heads
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
         super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias)
+        full_q, full_kv = num_heads * head_dim, num_kv_heads * head_dim
+        q_rows = (layout.q_heads[0] * head_dim, layout.q_heads[1] * head_dim)
+        kv_rows = (layout.kv_heads[0] * head_dim, layout.kv_heads[1] * head_dim)
+        # checkpoint rows per shard id: (rows in the full q/k/v tensor, this rank's range)
+        self._rows = {"q": (full_q, q_rows), "k": (full_kv, kv_rows), "v": (full_kv, kv_rows)}
+        take = _take_rows([0, full_q, full_q + full_kv], [q_rows, kv_rows, kv_rows])
+        for param in self._params():
+            set_tp_take(param, (full_q + 2 * full_kv, *param.shape[1:]), take)
 
     def shard_range(self, shard_id: str) -> tuple[int, int]:
-        """(offset, size) of shard "q", "k" or "v" on the output dim."""
+        """(offset, size) of shard "q", "k" or "v" on this rank's output dim."""
         ranges = {
             "q": (0, self.q_size),
             "k": (self.q_size, self.kv_size),
@@ -107,8 +214,12 @@ class QKVLinear(LinearBase):
         if shard_id is None:
             default_weight_loader(param, loaded_weight)
             return
-        offset, size = self.shard_range(str(shard_id))
-        copy_into_shard(param, loaded_weight, offset, size, str(shard_id))
+        name = str(shard_id)
+        offset, size = self.shard_range(name)
+        full_rows, rows = self._rows[name]
+        copy_into_shard(
+            param, _narrow_rows(loaded_weight, full_rows, rows, name), offset, size, name
+        )
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

@@ -1,4 +1,9 @@
-"""Final hidden states -> float32 logits, only at the rows that need them."""
+"""Final hidden states -> float32 logits, only at the rows that need them.
+
+Under tensor parallelism each rank's LM head yields its vocabulary shard's columns; they are
+all-gathered here, once, so sampling, grammar masks, penalties and logprobs see the full
+vocabulary on every rank exactly as at tp=1.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+from srt.distributed import TPGroup
 
 if TYPE_CHECKING:
     from srt.layers.vocab_embedding import LMHead
@@ -26,9 +33,10 @@ class LogitsProcessor(nn.Module):
     last new token of each request for extend / mixed.
     """
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.vocab_size = vocab_size
+        self.tp = tp or TPGroup.single()
 
     def forward(
         self, hidden_states: torch.Tensor, lm_head: LMHead, forward_batch: ForwardBatch
@@ -38,4 +46,9 @@ class LogitsProcessor(nn.Module):
             indices = last_token_indices(forward_batch)
         if indices is not None:
             hidden_states = hidden_states.index_select(0, indices)
-        return lm_head(hidden_states).float()
+        logits = lm_head(hidden_states).float()
+        if self.tp.size == 1:
+            return logits
+        # Shards are padded to equal widths; the padding columns sit past vocab_size.
+        logits = self.tp.all_gather_last_dim(logits)
+        return logits[:, : self.vocab_size].contiguous()

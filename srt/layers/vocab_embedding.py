@@ -1,4 +1,11 @@
-"""Token embedding and the LM head (optionally sharing the embedding's weight)."""
+"""Token embedding and the LM head (optionally sharing the embedding's weight).
+
+Under tensor parallelism both hold this rank's vocabulary rows (`vocab_layout`: rows
+[start, end), zero-padded to the same `rows` on every rank), so a tied LM head still shares
+the embedding's parameter. The embedding looks up the ids it holds, zeros the others and
+all-reduces: exactly one rank contributes each row, so the sum is exact. The LM head returns
+this rank's logit columns; `LogitsProcessor` gathers them.
+"""
 
 from __future__ import annotations
 
@@ -6,43 +13,80 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from srt.distributed import TPGroup, VocabLayout, vocab_layout
 from srt.layers.cpu_packed import PackableLinear
-from srt.layers.weight_utils import default_weight_loader, set_weight_loader
+from srt.layers.weight_utils import default_weight_loader, set_tp_take, set_weight_loader
+
+
+def _shard_vocab(param: nn.Parameter, vocab_size: int, layout: VocabLayout) -> None:
+    """Record the cut of a vocabulary-sharded parameter: full rows [start, end), zero-padded
+    to `layout.rows` (dim 0). The loaders write the padding too, so it is always zero."""
+    start, end, rows = layout.start, layout.end, layout.rows
+
+    def take(full: torch.Tensor) -> torch.Tensor:
+        part = full.narrow(0, start, end - start)
+        if end - start == rows:
+            return part
+        return torch.cat([part, part.new_zeros((rows - (end - start), *part.shape[1:]))])
+
+    set_tp_take(param, (vocab_size, *param.shape[1:]), take)
+    set_weight_loader(param, default_weight_loader)
 
 
 class VocabEmbedding(nn.Module):
     """input_ids [T] -> [T, embedding_dim]."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp: TPGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp or TPGroup.single()
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
-        set_weight_loader(self.weight, default_weight_loader)
+        self.layout = vocab_layout(num_embeddings, self.tp.size, self.tp.rank)
+        self.weight = nn.Parameter(torch.empty(self.layout.rows, embedding_dim))
+        _shard_vocab(self.weight, num_embeddings, self.layout)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local_ids = input_ids - self.layout.start
+        elsewhere = (local_ids < 0) | (local_ids >= self.layout.end - self.layout.start)
+        out = F.embedding(local_ids.masked_fill(elsewhere, 0), self.weight)
+        out.masked_fill_(elsewhere.unsqueeze(-1), 0)
+        return self.tp.all_reduce(out)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}"
+        shard = ""
+        if self.tp.size > 1:
+            shard = f", rows [{self.layout.start}, {self.layout.end}) of {self.layout.rows}"
+        return f"{self.num_embeddings}, {self.embedding_dim}{shard}"
 
 
 class LMHead(PackableLinear):
-    """The output projection [vocab, hidden]: `forward(hidden)` -> logits in the model dtype.
-    `LogitsProcessor` picks the rows and applies it."""
+    """The output projection [vocab, hidden] (this rank's vocabulary rows): `forward(hidden)`
+    -> logits in the model dtype. `LogitsProcessor` picks the rows and applies it."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, bias: bool = False) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        bias: bool = False,
+        tp: TPGroup | None = None,
+    ) -> None:
         super().__init__()
+        self.tp = tp or TPGroup.single()
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
-        self.bias = nn.Parameter(torch.zeros(vocab_size)) if bias else None
+        self.layout = vocab_layout(vocab_size, self.tp.size, self.tp.rank)
+        self.weight = nn.Parameter(torch.empty(self.layout.rows, hidden_size))
+        self.bias = nn.Parameter(torch.zeros(self.layout.rows)) if bias else None
+        for param in (self.weight, self.bias):
+            if param is not None:
+                _shard_vocab(param, vocab_size, self.layout)
         self.tied = False
-        set_weight_loader(self.weight, default_weight_loader)
 
     def tie_to(self, embedding: VocabEmbedding) -> None:
         """Share the embedding matrix (`tie_word_embeddings`)."""
-        if embedding.weight.shape != self.weight.shape:
+        if embedding.weight.shape != self.weight.shape or embedding.layout != self.layout:
             raise ValueError("cannot tie an LM head to an embedding of a different shape")
         self.weight = embedding.weight
         self.tied = True

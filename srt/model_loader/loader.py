@@ -3,7 +3,8 @@
 Steps: ``resolve_model_path`` (None -> default GGUF; ``.gguf`` -> converted HF folder; HF
 folder -> itself), ``ModelConfig.from_path``, then ``get_model`` builds the class from
 ``srt.models.registry`` and streams HF-named tensors into its ``load_weights``.
-No model hub is ever contacted.
+No model hub is ever contacted. Under tensor parallelism every rank reads the full tensors
+and its layers' loaders keep the rank's part (mmap'd safetensors make the reads cheap).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from srt.layers.weight_utils import full_shape, take_full
 from srt.model_loader.default_model import ModelNotFoundError, find_default_gguf
 from srt.model_loader.gguf_convert import convert_gguf
 
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from srt.configs.model_config import ModelConfig
+    from srt.distributed import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +96,11 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int = DUMMY_SEED) -> None:
-    """Fill every floating parameter with uniform(-1e-3, 1e-3) noise, deterministically."""
+    """Fill every floating parameter with uniform(-1e-3, 1e-3) noise, deterministically.
+
+    A tensor-parallel shard draws its full (tp=1) tensor and keeps its part, so the numbers
+    are those of the tp=1 model whatever the tp size (the parameter order is the same).
+    """
     generators: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for param in model.parameters():
@@ -103,16 +110,25 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = DUMMY_SEED) -> None:
             if gen is None:
                 gen = torch.Generator(device=param.device).manual_seed(seed)
                 generators[param.device] = gen
-            param.uniform_(DUMMY_LOW, DUMMY_HIGH, generator=gen)
+            shape = full_shape(param)
+            if shape == tuple(param.shape):
+                param.uniform_(DUMMY_LOW, DUMMY_HIGH, generator=gen)
+                continue
+            full = torch.empty(shape, dtype=param.dtype, device=param.device)
+            param.copy_(take_full(param, full.uniform_(DUMMY_LOW, DUMMY_HIGH, generator=gen)))
 
 
 def get_model(
-    model_config: ModelConfig, load_format: str = "auto", device: str = "cpu"
+    model_config: ModelConfig,
+    load_format: str = "auto",
+    device: str = "cpu",
+    tp: TPGroup | None = None,
 ) -> torch.nn.Module:
     """Build ``model_config``'s architecture in its dtype on ``device`` and load weights.
 
     ``auto`` / ``safetensors`` read the folder's safetensors; ``dummy`` fills random values
-    so benchmarks can run any config.json without weights.
+    so benchmarks can run any config.json without weights. ``tp`` (None: one device) builds
+    this rank's shard of the model.
     """
     from srt.models.registry import get_model_class
 
@@ -121,7 +137,9 @@ def get_model(
     cls = get_model_class(model_config.architectures)
     start = time.perf_counter()
     with _default_dtype(model_config.dtype), torch.device(device):
-        model = cls(model_config.hf_config)
+        # tp=None keeps the one-argument call, which classes without tensor parallelism
+        # (and test doubles) implement.
+        model = cls(model_config.hf_config) if tp is None else cls(model_config.hf_config, tp=tp)
     if load_format == "dummy":
         init_dummy_weights(model)
     else:
@@ -129,10 +147,12 @@ def get_model(
     model.eval()
     model.requires_grad_(False)
     num_params = sum(p.numel() for p in model.parameters())
+    shard = f", TP rank {tp.rank} of {tp.size}" if tp is not None and tp.size > 1 else ""
     logger.info(
-        "Loaded %s (%.1fM params, %s, %s, load_format=%s) in %.2f s",
+        "Loaded %s (%.1fM params%s, %s, %s, load_format=%s) in %.2f s",
         cls.__name__,
         num_params / 1e6,
+        shard,
         model_config.dtype,
         device,
         load_format,

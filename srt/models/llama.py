@@ -2,7 +2,13 @@
 
 The decoder layer is parametrised by `LlamaForCausalLM`'s class hooks (`qk_norm`,
 `attention_biases`), so Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm before RoPE)
-are small subclasses. Single device; attention goes through `RadixAttention`.
+are small subclasses. Attention goes through `RadixAttention`.
+
+Tensor parallelism (`tp`): attention is split by KV group (`head_layout`, computed once per
+model; possibly uneven, e.g. 3 and 6 of SmolLM2's 9 query heads at tp=2), q/k/v and gate/up
+are column-parallel, o_proj and down_proj row-parallel (one all-reduce each per layer), the
+embedding and LM head split by vocabulary rows. Norms, RoPE and Qwen3's q/k norms are
+replicated. `RadixAttention` and the KV pool see this rank's head counts only.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from attention.radix_attention import RadixAttention
+from srt.distributed import HeadLayout, TPGroup, head_layout
 from srt.layers.activation import SiluAndMul
 from srt.layers.layernorm import RMSNorm
 from srt.layers.linear import MergedColumnLinear, QKVLinear, RowLinear
@@ -44,15 +51,29 @@ def config_head_dim(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def config_num_heads(config: PretrainedConfig) -> tuple[int, int]:
+    """(query heads, KV heads) of the whole model."""
+    num_heads = config.num_attention_heads
+    return num_heads, getattr(config, "num_key_value_heads", None) or num_heads
+
+
 class LlamaMLP(nn.Module):
     def __init__(
-        self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str,
+        bias: bool = False,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
         if hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {hidden_act!r}; only silu is supported")
-        self.gate_up_proj = MergedColumnLinear(hidden_size, [intermediate_size] * 2, bias=bias)
-        self.down_proj = RowLinear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnLinear(
+            hidden_size, [intermediate_size] * 2, bias=bias, tp=tp
+        )
+        # gate and up are cut by the same balanced range, which down_proj's input matches
+        self.down_proj = RowLinear(intermediate_size, hidden_size, bias=bias, tp=tp)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,15 +89,30 @@ class LlamaAttention(nn.Module):
         qkv_bias: bool,
         o_bias: bool,
         qk_norm: bool,
+        tp: TPGroup,
+        layout: HeadLayout,
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        total_heads, total_kv_heads = config_num_heads(config)
+        self.num_heads = layout.num_heads  # this rank's
+        self.num_kv_heads = layout.num_kv_heads
         self.head_dim = config_head_dim(config)
         self.qkv_proj = QKVLinear(
-            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=qkv_bias
+            config.hidden_size,
+            self.head_dim,
+            total_heads,
+            total_kv_heads,
+            bias=qkv_bias,
+            layout=layout,
         )
-        self.o_proj = RowLinear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias)
+        q_start, q_end = layout.q_heads
+        self.o_proj = RowLinear(
+            total_heads * self.head_dim,
+            config.hidden_size,
+            bias=o_bias,
+            tp=tp,
+            input_range=(q_start * self.head_dim, q_end * self.head_dim),
+        )
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary_emb = rotary_emb
@@ -107,14 +143,19 @@ class LlamaDecoderLayer(nn.Module):
         qkv_bias: bool,
         o_bias: bool,
         qk_norm: bool,
+        tp: TPGroup,
+        layout: HeadLayout,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, rotary_emb, qkv_bias, o_bias, qk_norm)
+        self.self_attn = LlamaAttention(
+            config, layer_id, rotary_emb, qkv_bias, o_bias, qk_norm, tp, layout
+        )
         self.mlp = LlamaMLP(
             config.hidden_size,
             config.intermediate_size,
             config.hidden_act,
             bias=bool(getattr(config, "mlp_bias", False)),
+            tp=tp,
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -139,10 +180,16 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool
+        self,
+        config: PretrainedConfig,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        tp: TPGroup,
+        layout: HeadLayout,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp=tp)
         head_dim = config_head_dim(config)
         base, rope_scaling, partial_rotary_factor = rope_settings_from_config(config)
         # One cos/sin cache shared by every layer.
@@ -154,7 +201,7 @@ class LlamaModel(nn.Module):
             rope_scaling,
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary_emb, qkv_bias, o_bias, qk_norm)
+            LlamaDecoderLayer(config, i, self.rotary_emb, qkv_bias, o_bias, qk_norm, tp, layout)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -176,6 +223,8 @@ class LlamaForCausalLM(nn.Module):
     """`forward(input_ids [T], positions [T], forward_batch) -> float32 logits [N, vocab]`.
 
     The caller runs `forward_batch.attn_backend.init_forward_metadata(forward_batch)` first.
+    With `tp` of size > 1 every rank of the group runs the same forward (the collectives
+    pair up) and gets the same full-vocabulary logits; `head_layout` is this rank's heads.
     """
 
     qk_norm: ClassVar[bool] = False
@@ -186,16 +235,19 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return bias, bias
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp or TPGroup.single()
+        # A ValueError here when the heads cannot be split over the ranks.
+        self.head_layout = head_layout(*config_num_heads(config), self.tp.size, self.tp.rank)
         qkv_bias, o_bias = self.attention_biases(config)
-        self.model = LlamaModel(config, qkv_bias, o_bias, self.qk_norm)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        self.model = LlamaModel(config, qkv_bias, o_bias, self.qk_norm, self.tp, self.head_layout)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp=self.tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
-        self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.logits_processor = LogitsProcessor(config.vocab_size, self.tp)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch

@@ -9,7 +9,8 @@ import torch
 VOCAB = 512
 
 
-def tiny_config(arch: str):
+def tiny_config(arch: str, num_kv_heads: int = 2):
+    """A 2-layer config of `arch` with 4 query heads over `num_kv_heads` KV heads."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = {
@@ -18,7 +19,7 @@ def tiny_config(arch: str):
         "intermediate_size": 128,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        "num_key_value_heads": num_kv_heads,
         "max_position_embeddings": 1024,
         # Wide weights give well-separated logits, so greedy ties are rare.
         "initializer_range": 0.3,
@@ -45,11 +46,12 @@ def tiny_config(arch: str):
     raise ValueError(arch)
 
 
-def save_tiny_model(arch: str, folder: Path, seed: int = 0) -> Path:
+def save_tiny_model(arch: str, folder: Path, seed: int = 0, num_kv_heads: int = 2) -> Path:
     """Build a random HF model of `arch` and save it as an HF folder (no tokenizer)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
+    config = tiny_config(arch, num_kv_heads=num_kv_heads)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(folder)
     return folder
