@@ -96,7 +96,7 @@ class ModelRunner:
         self.server_args = server_args
         self.device = server_args.resolved_device()
         torch.manual_seed(server_args.random_seed)
-        self.model = get_model(model_config, server_args.load_format, self.device)
+        self.model = get_model(model_config, server_args.load_format, self.device, self.tp)
         if self.device == "cpu" and not server_args.disable_cpu_weight_prepack:
             prepack_cpu_weights(self.model)  # before the KV pool takes its share of free RAM
         self.attn_backend_name = resolve_attention_backend(
