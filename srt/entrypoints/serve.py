@@ -1,5 +1,5 @@
 """`serve(server_args)`: start an `Engine`, run uvicorn until SIGINT/SIGTERM, and exit 0, or
-1 if a child process died. On a node with `--node-rank > 0`, run `worker_node` instead.
+1 if a child process failed to start or died. On a node with `--node-rank > 0`, run `worker_node` instead.
 
 SIGTERM drains: new requests get a 503, running ones have `--shutdown-grace-period` seconds
 to finish, the rest fail with a 503 (an error event on a stream), and the process exits 0.
@@ -96,10 +96,15 @@ def serve(server_args: ServerArgs) -> int:
 
         return serve_worker_node(server_args)
     from srt.entrypoints.engine import Engine
+    from srt.entrypoints.subprocesses import ChildStartError
 
     resolve_api_key(server_args)  # a bad key file fails before the model loads
 
-    engine = Engine(server_args)
+    try:
+        engine = Engine(server_args)
+    except ChildStartError as e:  # its text is the child's own report (a traceback, or why)
+        logger.error("%s", e)
+        return 1
     app = create_app(engine.tokenizer_manager, server_args)
     config = uvicorn.Config(
         app,
