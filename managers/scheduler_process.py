@@ -130,7 +130,7 @@ class SchedulerServer:
         from managers.model_worker import ModelWorker
         from srt.model_loader.loader import get_tokenizer
 
-        tp = tp or TPGroup.single()
+        tp = tp if tp is not None else TPGroup.single()
         self.server_args = server_args
         self.tp = tp
         worker = ModelWorker(server_args, tp=tp)

@@ -15,6 +15,10 @@ the waiting limit covers only the wait before the first admission.
 What an expiry means for the client: before admission the server could not serve the request
 in time, an overload like a full queue, so it is a 503; after admission the request finishes
 as an abort with the output so far, like SGLang's `/abort_request`.
+
+`clock` is `time.monotonic` at tp=1; on a tensor-parallel rank it is the `StepClock` that
+reads rank 0's time of the current step (`managers/tp_sync.py`), so every rank expires the
+same requests at the same step.
 """
 
 from __future__ import annotations
