@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
@@ -122,17 +123,15 @@ def test_missing_node_fails_the_start_after_dist_timeout(tiny_llama: str, tmp_pa
 # ---- the watcher's choice, with plain processes -------------------------------------------
 
 
-def _exit_after(delay_s: float, code: int) -> None:
-    time.sleep(delay_s)
-    os._exit(code)
-
-
-def _children(**exits: tuple[float, int]) -> dict[str, BaseProcess]:
-    ctx = mp.get_context("fork")  # the targets only sleep and exit
+def _children(**targets: tuple[object, tuple[object, ...]]) -> dict[str, BaseProcess]:
+    """Children named like the server's ("scheduler_rank_1" is "scheduler rank 1") running
+    builtins (picklable for spawn, which imports nothing of ours): os._exit or time.sleep."""
+    ctx = mp.get_context("spawn")
     procs = {}
-    for name, (delay_s, code) in exits.items():
-        procs[name.replace("_", " ")] = ctx.Process(target=_exit_after, args=(delay_s, code))
-        procs[name.replace("_", " ")].start()
+    for name, (target, args) in targets.items():
+        proc = ctx.Process(target=target, args=args, daemon=True)
+        proc.start()
+        procs[name.replace("_", " ")] = proc
     return procs
 
 
@@ -148,18 +147,25 @@ def _reap(procs: dict[str, BaseProcess]) -> None:
 
 
 def test_root_cause_is_the_rank_that_did_not_lose_a_peer() -> None:
-    # Rank 0 notices first (code 71); rank 1, the one that failed, exits a moment later.
+    # Rank 0 notices first (code 71); rank 1, the one that failed, dies a moment later.
     # (A long wait, so a busy machine cannot make it too short; it ends when rank 1 does.)
-    procs = _children(scheduler=(0.0, TP_PEER_LOST_EXIT_CODE), scheduler_rank_1=(0.2, 1))
+    procs = _children(
+        scheduler=(os._exit, (TP_PEER_LOST_EXIT_CODE,)), scheduler_rank_1=(time.sleep, (60,))
+    )
     try:
-        assert root_cause(procs, _first_dead(procs), wait_s=60.0) == "scheduler rank 1"
+        dead = _first_dead(procs)
+        assert dead == ["scheduler"]
+        threading.Timer(0.2, procs["scheduler rank 1"].kill).start()
+        assert root_cause(procs, dead, wait_s=60.0) == "scheduler rank 1"
     finally:
         _reap(procs)
 
 
 def test_root_cause_without_a_local_culprit_is_the_first_dead() -> None:
     # The failed peer is on another node: only the lost-peer rank dies here.
-    procs = _children(scheduler=(0.0, TP_PEER_LOST_EXIT_CODE), detokenizer=(60.0, 0))
+    procs = _children(
+        scheduler=(os._exit, (TP_PEER_LOST_EXIT_CODE,)), detokenizer=(time.sleep, (60,))
+    )
     try:
         assert root_cause(procs, _first_dead(procs)) == "scheduler"
         assert procs["detokenizer"].is_alive()
@@ -168,7 +174,7 @@ def test_root_cause_without_a_local_culprit_is_the_first_dead() -> None:
 
 
 def test_root_cause_of_one_crash_is_that_child() -> None:
-    procs = _children(scheduler=(0.0, 1), detokenizer=(60.0, 0))
+    procs = _children(scheduler=(os._exit, (1,)), detokenizer=(time.sleep, (60,)))
     try:
         assert root_cause(procs, _first_dead(procs)) == "scheduler"
     finally:
