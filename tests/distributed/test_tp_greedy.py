@@ -131,6 +131,29 @@ def test_sampled_ids_come_from_rank_0(tp2: TPRanks) -> None:
     assert tp2.run(_take_leader_ids) == [([7, 8, 9], 0), ([7, 8, 9], 2)]
 
 
+def _pool_from_ram(tp: TPGroup, model_path: str) -> tuple[int, int]:
+    """Build a runner whose rank sees (rank + 1) MiB of free RAM; its KV heads and pool."""
+    from srt.model_executor import model_runner
+
+    measured = model_runner.available_memory_bytes
+    model_runner.available_memory_bytes = lambda device: (tp.rank + 1) * 2**20
+    try:
+        args = ServerArgs(model_path=model_path, dtype="float32", mem_fraction_static=0.3)
+        runner = model_runner.ModelRunner(ModelConfig.from_path(model_path), args, tp)
+    finally:
+        model_runner.available_memory_bytes = measured
+    return runner.local_config.num_key_value_heads, runner.max_total_tokens
+
+
+def test_ranks_split_ram_and_agree_on_the_smallest_pool(
+    tp2: TPRanks, tiny_models: dict[str, str]
+) -> None:
+    # One KV head per rank: 2 (K and V) * 2 layers * 16 dims * 4 bytes = 256 bytes a token.
+    # Rank 0 sees 1 MiB and, sharing the machine with rank 1, takes 0.3 of half of it.
+    smallest = int(2**20 // 2 * 0.3) // 256
+    assert tp2.run(_pool_from_ram, tiny_models["qwen2"]) == [(1, smallest), (1, smallest)]
+
+
 # ---- tp=2 greedy equals tp=1 ----------------------------------------------------------
 
 
