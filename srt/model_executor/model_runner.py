@@ -123,7 +123,8 @@ class ModelRunner:
         else:
             free = 0
             if args.max_total_tokens is None:
-                # The ranks on this machine share its RAM (one GPU each does not need this).
+                # The ranks on this machine share its RAM (on GPUs each rank has a device of
+                # its own and is sized by the profiled branch above).
                 free = available_memory_bytes(self.device) // self.local_ranks()
             tokens = pool_size_tokens(
                 cfg,
@@ -134,8 +135,8 @@ class ModelRunner:
                 free,
             )
         # Ranks measured their memory at different moments; they must hold the same pool,
-        # or their allocators (and so their batches) would diverge. Scheduler thread, before
-        # any forward thread exists: the control group's one user.
+        # or their allocators (and so their batches) would diverge. A control-group op: this
+        # runs on the scheduler thread, before any forward thread exists.
         self.max_total_tokens = self.tp.agree_min(tokens)
         max_reqs = args.max_running_requests or min(
             DEFAULT_MAX_RUNNING_REQUESTS, max(self.max_total_tokens // 2, 1)
