@@ -7,12 +7,15 @@ tp=1 runs in the test process and reports its top-2 logprobs, whose gap is the l
 
 Covered: tiny Llama, Qwen2 and Qwen3, Qwen2 with one KV head (replicated on both ranks), the
 default model (9 q / 3 KV heads, split 3 / 6); chunked prefill; a pool small enough to force
-retraction; the overlap and the normal loop; and no rank ever sampling unlike rank 0.
+retraction; the overlap and the normal loop; and no rank ever sampling unlike rank 0. Also:
+the ranks' share of the RAM and their agreed pool size, and a follower that samples other ids
+than rank 0 still feeding back rank 0's (through the overlap loop's future placeholders too).
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -37,14 +40,22 @@ def rand_prompts(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
 
 
 def generate(
-    tp: TPGroup, model_path: str | None, prompts: list[list[int]], new_tokens: int, **args: Any
+    tp: TPGroup,
+    model_path: str | None,
+    prompts: list[list[int]],
+    new_tokens: int,
+    prepare: Callable[[TPGroup, InProcessDriver], None] | None = None,
+    **args: Any,
 ) -> dict[str, Any]:
     """Runs on a rank (or, with `TPGroup.single()`, in the test process): the prompts under
-    fixed rids, to completion; greedy ids, tp=1's top-2 logprobs, and the run's counters."""
+    fixed rids, to completion; greedy ids, tp=1's top-2 logprobs, and the run's counters.
+    `prepare` (a top-level function) may alter the driver before the run."""
     server_args = ServerArgs(
         model_path=model_path, dtype="float32", skip_tokenizer_init=True, **args
     )
     driver = InProcessDriver(server_args, tp=tp)
+    if prepare is not None:
+        prepare(tp, driver)
     reference = tp.size == 1
     fields = {"return_logprob": True, "top_logprobs_num": 2} if reference else {}
     rids = []
@@ -209,3 +220,42 @@ def test_retraction(tp2: TPRanks, tiny_models: dict[str, str], overlap: bool) ->
 def test_default_model_uneven_heads(tp2: TPRanks) -> None:
     prompts = rand_prompts([9, 30], 49152, seed=2)
     compare(tp2, None, prompts, 6, chunked_prefill_size=16, max_total_tokens=1024)
+
+
+def _followers_sample_otherwise(tp: TPGroup, driver: InProcessDriver) -> None:
+    """On ranks other than 0, every sampled id is shifted by one: as if they rounded
+    differently. Rank 0's ids must still be what every rank feeds back."""
+    if tp.rank == 0:
+        return
+    sampler = driver.worker.model_runner.sampler
+    sample = sampler.forward
+
+    def shifted(*args: Any, **kwargs: Any) -> Any:
+        out = sample(*args, **kwargs)
+        out.next_token_ids = (out.next_token_ids + 1) % VOCAB
+        return out
+
+    sampler.forward = shifted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", [True, False])
+def test_followers_take_rank_0_ids(
+    tp2: TPRanks, tiny_models: dict[str, str], overlap: bool
+) -> None:
+    # With overlap, rank 1's next inputs are future-token placeholders resolved on the
+    # forward thread: they must resolve to rank 0's ids, not to what rank 1 sampled.
+    prompts = rand_prompts([7, 19], VOCAB, seed=5)
+    args = {"disable_overlap_schedule": not overlap, "max_total_tokens": 1024}
+    ref = generate(TPGroup.single(), tiny_models["llama"], prompts, 8, **args)
+    ranks = tp2.run(generate, tiny_models["llama"], prompts, 8, _followers_sample_otherwise, **args)
+    # Every id rank 1 sampled differed: 8 per request, plus, in the overlap loop, the
+    # forward it launches before it sees that the requests finished.
+    assert ranks[0]["mismatches"] == 0
+    if overlap:
+        assert ranks[1]["mismatches"] >= 2 * 8
+    else:
+        assert ranks[1]["mismatches"] == 2 * 8
+    for r in ranks:
+        r["mismatches"] = 0
+    assert_tp_greedy_equal(ref, ranks)
