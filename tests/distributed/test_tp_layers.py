@@ -10,6 +10,7 @@ that run on the ranks are top-level so the harness can send them.
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -268,10 +269,9 @@ def _dummy_state(tp: TPGroup, name: str) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _gather(name: str, param: str, shards: list[torch.Tensor]) -> torch.Tensor:
+def _gather(config: Any, param: str, shards: list[torch.Tensor]) -> torch.Tensor:
     """The full tensor from the ranks' shards, by the layout rules (independent of the
     layers' own cutting code)."""
-    config = _config(name)
     d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if "qkv_proj" in param:
         layouts = [
@@ -308,7 +308,7 @@ def test_dummy_weights_of_tp2_gather_to_tp1(tp2: TPRanks, name: str) -> None:
     expected = dict(single.named_parameters())
     assert list(states[0]) == list(expected)  # same parameters, same order
     for param, full in expected.items():
-        gathered = _gather(name, param, [s[param] for s in states])
+        gathered = _gather(_config(name), param, [s[param] for s in states])
         assert torch.equal(gathered, full), param
 
 
@@ -322,6 +322,27 @@ def test_dummy_weights_at_tp1_are_the_plain_draws() -> None:
             param.uniform_(DUMMY_LOW, DUMMY_HIGH, generator=gen)
     for (n, a), (_, b) in zip(model.named_parameters(), plain.named_parameters(), strict=True):
         assert torch.equal(a, b), n
+
+
+def _load_checkpoint(tp: TPGroup, folder: str) -> dict[str, torch.Tensor]:
+    from srt.configs.model_config import ModelConfig
+    from srt.model_loader.loader import get_model
+
+    model = get_model(ModelConfig.from_path(folder, dtype="float32"), "auto", "cpu", tp)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_get_model_reads_a_checkpoint_into_shards(tp2: TPRanks, tmp_path: Path) -> None:
+    """A saved HF Qwen2 (q/k/v biases, one KV head on both ranks) through get_model."""
+    from srt.configs.model_config import ModelConfig
+    from srt.model_loader.loader import get_model
+    from tests.engine.tiny_models import save_tiny_model
+
+    folder = str(save_tiny_model("qwen2", tmp_path / "qwen2", num_kv_heads=1))
+    single = get_model(ModelConfig.from_path(folder, dtype="float32"))
+    states = tp2.run(_load_checkpoint, folder)
+    for param, full in single.named_parameters():
+        assert torch.equal(_gather(single.config, param, [s[param] for s in states]), full)
 
 
 def _hf_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
