@@ -60,19 +60,28 @@ class TPRanks:
         for rank in range(size):
             self._recv(rank)
 
-    def _recv(self, rank: int) -> Any:
+    def _reply(self, rank: int) -> tuple[str, Any]:
         conn = self._conns[rank]
         if not conn.poll(RANK_TIMEOUT_S):
             raise TimeoutError(f"TP rank {rank} did not answer within {RANK_TIMEOUT_S:g} s")
-        status, value = conn.recv()
+        return conn.recv()
+
+    def _recv(self, rank: int) -> Any:
+        status, value = self._reply(rank)
         if status == "error":
             raise RuntimeError(f"TP rank {rank} failed:\n{value}")
         return value
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Every rank's result; when some rank fails, every reply is still read first (so the
+        ranks stay usable for the next test) and the first failure is raised."""
         for conn in self._conns:
             conn.send((fn, args, kwargs))
-        return [self._recv(rank) for rank in range(self.size)]
+        replies = [self._reply(rank) for rank in range(self.size)]
+        for rank, (status, value) in enumerate(replies):
+            if status == "error":
+                raise RuntimeError(f"TP rank {rank} failed:\n{value}")
+        return [value for _, value in replies]
 
     def kill(self, rank: int) -> None:
         os.kill(self.procs[rank].pid, signal.SIGKILL)
