@@ -209,16 +209,19 @@ def root_cause(procs: dict[str, Any], dead: list[str], wait_s: float = ROOT_CAUS
 
     Waits up to `wait_s` for that peer only when every child found dead lost a peer, so a
     single crash (any death at tp=1) is reported at once, as before."""
+    # A ready sentinel can precede the exit status by a moment (the kernel closes a dying
+    # process's files before it becomes reapable): join, not `is_alive()`, reads the code.
     for name in dead:
-        procs[name].join(0.1)  # its sentinel is ready: this reaps the exit code
+        procs[name].join(0.1)
     found = list(dead)
     if all(procs[name].exitcode == TP_PEER_LOST_EXIT_CODE for name in found):
         deadline = time.monotonic() + wait_s
-        alive = [proc.sentinel for name, proc in procs.items() if name not in found]
-        while alive and (left := deadline - time.monotonic()) > 0:
-            for sentinel in wait(alive, timeout=left):
-                alive.remove(sentinel)
-        found += [n for n, proc in procs.items() if n not in found and not proc.is_alive()]
+        others = {proc.sentinel: name for name, proc in procs.items() if name not in found}
+        while others and (left := deadline - time.monotonic()) > 0:
+            for sentinel in wait(list(others), timeout=left):
+                name = others.pop(sentinel)
+                procs[name].join(0.1)
+                found.append(name)
     for name in found:
         if procs[name].exitcode != TP_PEER_LOST_EXIT_CODE:
             return name
