@@ -49,11 +49,10 @@ def serve_worker_node(server_args: ServerArgs) -> int:
     children.watch(on_death)
     originals = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     logger.info(
-        "Node %d of %d ready: tensor-parallel ranks %d..%d of %d; rank 0 is at %s.",
+        "Node %d of %d ready: tensor-parallel rank%s of %d; rank 0 is at %s.",
         server_args.node_rank,
         server_args.nnodes,
-        first,
-        first + local - 1,
+        f" {first}" if local == 1 else f"s {first}..{first + local - 1}",
         server_args.tp_size,
         server_args.dist_init_addr,
     )

@@ -52,7 +52,8 @@ def tp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def tp1(url: str) -> str:
-    """The shared session server, when it is tp=1 (the reference)."""
+    """The shared session server, when it is tp=1 (the reference). Tests ask for it before
+    `tp2`, so a run against a tp=2 shared server skips them without starting another."""
     info = requests.get(url + "/get_server_info", timeout=30).json()
     if info["tp_size"] != 1:
         pytest.skip("the shared server is not tp=1 (RADIXRT_TEST_SERVER_EXTRA_ARGS)")
@@ -79,7 +80,7 @@ def wait_idle(url: str) -> dict[str, Any]:
             return info
 
 
-def test_greedy_equals_tp1(tp2: ServerProcess, tp1: str, default_model_path: str) -> None:
+def test_greedy_equals_tp1(tp1: str, tp2: ServerProcess, default_model_path: str) -> None:
     body = {"text": TEXTS, "sampling_params": GREEDY}
     ours = [o["output_ids"] for o in generate(tp2.url, body)]
     ref = [o["output_ids"] for o in generate(tp1, body)]
@@ -98,7 +99,7 @@ def test_greedy_equals_tp1(tp2: ServerProcess, tp1: str, default_model_path: str
         assert_greedy_equal(hf, tokenizer.encode(text), a, b)
 
 
-def test_json_schema_equals_tp1(tp2: ServerProcess, tp1: str) -> None:
+def test_json_schema_equals_tp1(tp1: str, tp2: ServerProcess) -> None:
     params = {"max_new_tokens": 96, "temperature": 0, "json_schema": json.dumps(PERSON)}
     body = {"text": "A person as JSON with a name and an age:", "sampling_params": params}
     ours = generate(tp2.url, body)
