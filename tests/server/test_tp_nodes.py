@@ -1,7 +1,8 @@
 """Tensor parallelism over two nodes (two `launch_server` processes on this machine, a tiny
 random Llama): the pair serves what tp=1 serves; a node that never comes makes node 0 exit
-non-zero after --dist-timeout; a stopped worker node exits 0 and takes node 0 down. And the
-child watcher's choice of the rank to blame, with plain processes."""
+non-zero after --dist-timeout; a stopped worker node exits 0 and takes node 0 down. And,
+without a server: the child watcher's choice of the rank to blame (with plain processes),
+and the one memory_integrity verdict over every rank."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from pathlib import Path
 import pytest
 import requests
 
+from managers.io_struct import MemoryIntegrity, SchedulerState
+from managers.tokenizer_manager import combined_memory_integrity as combined
 from srt.entrypoints.subprocesses import root_cause
 from srt.utils.process import TP_PEER_LOST_EXIT_CODE
 from tests.server.server_process import ServerProcess, alive, child_pids, die_with_parent, free_port
@@ -180,3 +183,26 @@ def test_root_cause_of_one_crash_is_that_child() -> None:
         assert root_cause(procs, _first_dead(procs)) == "scheduler"
     finally:
         _reap(procs)
+
+
+# ---- /get_server_info's one memory_integrity over every rank -------------------------------
+
+
+def _state(
+    rank: int, ok: bool | None, error: str | None = None, at: float | None = None
+) -> SchedulerState:
+    check = MemoryIntegrity(ok, error, at)
+    return SchedulerState(
+        0, 0, 0.0, 64, 4, 0, 0, True, 0.0, 0.0, 100 + rank, 0.5, 0, check, tp_rank=rank
+    )
+
+
+def test_memory_integrity_over_ranks() -> None:
+    one = _state(0, False, "slot 3 leaked", 1.0)
+    assert combined([one]) is one.memory_integrity  # tp=1: rank 0's own, as before
+    assert combined([_state(0, True, at=2.0), _state(1, True, at=1.0)]) == MemoryIntegrity(
+        True, None, 1.0
+    )
+    assert combined([_state(0, True, at=2.0), _state(1, None)]) == MemoryIntegrity(None)
+    failed = combined([_state(0, None), _state(1, False, "slot 3 leaked", 1.0)])
+    assert failed == MemoryIntegrity(False, "rank 1: slot 3 leaked", None)
