@@ -150,15 +150,12 @@ class ChildProcesses:
                 if reader not in ready and proc.sentinel not in ready:
                     continue
                 # A rank that sent its answer and then exited readies both: read it first.
-                if not reader.poll():
-                    proc.join(0.1)
-                    raise ChildStartError(
-                        f"{name.capitalize()} exited during startup (code {proc.exitcode})"
-                    )
                 try:
                     status, payload = reader.recv()
-                except EOFError:
-                    status, payload = "error", f"the {name} exited during startup"
+                except EOFError:  # it died before it could answer
+                    proc.join(0.1)
+                    why = describe_exit(proc.exitcode)
+                    raise ChildStartError(f"{name.capitalize()} exited during startup ({why})")
                 if status != "ready":
                     raise ChildStartError(f"{name.capitalize()} failed to start:\n{payload}")
                 readies[name] = payload
