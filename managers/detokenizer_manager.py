@@ -60,7 +60,7 @@ class DetokenizerManager:
 def run_detokenizer_process(
     server_args: ServerArgs, port_args: PortArgs, model_path: str, parent_pid: int
 ) -> None:
-    become_child("detokenizer", server_args.log_level)
+    become_child("detokenizer", server_args.log_level, parent_pid)
     tokenizer = None
     if not server_args.skip_tokenizer_init:
         from srt.model_loader.loader import get_tokenizer

@@ -277,7 +277,9 @@ def run_scheduler_process(
     """One scheduler rank (`tp_spec` None: tp=1). The group forms before the model loads,
     which agrees on the KV pool size over it."""
     rank = 0 if tp_spec is None else tp_spec.rank
-    become_child("scheduler" if rank == 0 else f"scheduler rank {rank}", server_args.log_level)
+    become_child(
+        "scheduler" if rank == 0 else f"scheduler rank {rank}", server_args.log_level, parent_pid
+    )
     try:
         tp = TPGroup.single() if tp_spec is None else init_tp_group(tp_spec)
         server = SchedulerServer(server_args, port_args, tp)

@@ -126,14 +126,15 @@ def configure_logging(level: str, role: str) -> None:
     )
 
 
-def become_child(role: str, log_level: str) -> None:
+def become_child(role: str, log_level: str, parent_pid: int) -> None:
     """Called first in every child: die with the parent, leave SIGINT/SIGTERM to the parent.
 
     A terminal's Ctrl-C, `timeout`, or systemd's stop reach the whole process group; the
     parent owns shutdown (it finishes open requests, then SIGKILLs the children, which hold
     no state worth flushing), so children ignore both signals. If the parent is killed
     outright (`kill -9`), the kernel sends SIGKILL to the child (Linux), so no child is
-    orphaned.
+    orphaned. A parent that died before this call (a spawned child spends seconds importing
+    first) sent no such signal: the child sees it has been re-parented and exits at once.
     """
     configure_logging(log_level, role)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -143,6 +144,9 @@ def become_child(role: str, log_level: str) -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
         logger.debug("prctl unavailable; relying on the parent-pid check")
+    if not parent_alive(parent_pid):
+        logger.error("Parent process %d exited while the %s started; exiting.", parent_pid, role)
+        os._exit(1)
 
 
 def parent_alive(parent_pid: int) -> bool:

@@ -1,8 +1,10 @@
 """IPC socket files (issue 16, item 7): a private 0700 directory per server, removed on a
-normal stop; the directories that killed servers left behind are removed at the next start."""
+normal stop; the directories that killed servers left behind are removed at the next start.
+A child whose parent died while it started exits instead of living on."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import stat
 import subprocess
@@ -71,3 +73,24 @@ def test_stale_directory_of_a_dead_server_is_removed_at_next_start(tmp_path: Pat
 
 def test_remove_stale_ignores_a_missing_root(tmp_path: Path) -> None:
     assert remove_stale_ipc_dirs(str(tmp_path / "missing")) == []
+
+
+def _child_of(parent_pid: int) -> None:
+    from srt.utils.process import become_child
+
+    become_child("test child", "error", parent_pid)
+    os._exit(0)  # not reached when become_child sees a parent other than parent_pid
+
+
+def test_child_whose_parent_died_during_startup_exits() -> None:
+    """A spawned child arms PR_SET_PDEATHSIG only after its imports; if the parent died
+    before that, no signal comes, so become_child checks the parent pid itself."""
+    ctx = mp.get_context("spawn")
+    orphan = ctx.Process(target=_child_of, args=(os.getpid() + 10**6,))  # a pid not ours
+    orphan.start()
+    orphan.join(60)
+    assert orphan.exitcode == 1
+    child = ctx.Process(target=_child_of, args=(os.getpid(),))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
