@@ -24,7 +24,7 @@ def driver(overlap: bool, **args) -> InProcessDriver:
 
 def run_w1(overlap: bool) -> list[list[int]]:
     d = driver(overlap)
-    prompts = w1_prompts(16, 64, 512, d.scheduler.vocab_size, seed=0)
+    prompts = w1_prompts(12, 64, 512, d.scheduler.vocab_size, seed=0)
     outs = d.generate(prompts, {"max_new_tokens": 32, "ignore_eos": True, "temperature": 0})
     d.scheduler.check_memory()
     return [o["output_ids"] for o in outs]
