@@ -22,6 +22,7 @@ __all__ = [
 # GPU backends register with the package they need, which is only imported when one is chosen.
 ATTENTION_BACKENDS: Registry[AttentionBackend] = Registry("attention backend")
 ATTENTION_BACKENDS.register("torch_native", "attention.torch_native_backend:TorchNativeAttnBackend")
+ATTENTION_BACKENDS.register("cpu", "attention.cpu_backend:CpuAttnBackend")
 ATTENTION_BACKENDS.register(
     "flashinfer",
     "attention.flashinfer_backend:FlashInferAttnBackend",
@@ -39,7 +40,7 @@ def available_attention_backends() -> list[str]:
 
 def resolve_attention_backend(name: str, device: str, dtype: torch.dtype | str) -> str:
     """`--attention-backend auto` -> flashinfer on CUDA with fp16/bf16 when it is installed,
-    else torch_native. Any other name is returned as is."""
+    cpu on a CPU, else torch_native. Any other name is returned as is."""
     if name != "auto":
         return name
     dtype_name = str(dtype).removeprefix("torch.")
@@ -49,6 +50,8 @@ def resolve_attention_backend(name: str, device: str, dtype: torch.dtype | str) 
         and is_package_installed("flashinfer")
     ):
         return "flashinfer"
+    if device == "cpu":
+        return "cpu"
     return "torch_native"
 
 

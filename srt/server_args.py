@@ -192,8 +192,9 @@ class ServerArgs:
     # Backends
     attention_backend: str = _opt(
         "auto",
-        "attention kernels (auto: flashinfer on CUDA with fp16/bf16 when installed, "
-        "else torch_native)",
+        "attention kernels (auto: flashinfer on CUDA with fp16/bf16 when installed, cpu on a "
+        "CPU: a compiled paged-decode kernel over torch_native's extend; torch_native: the "
+        "pure-torch reference)",
         _registry_names("attention.registry:ATTENTION_BACKENDS", "auto"),
     )
     disable_cuda_graph: bool = _opt(False, "run decode eagerly instead of replaying CUDA graphs")

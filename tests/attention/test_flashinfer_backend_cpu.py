@@ -166,7 +166,7 @@ def test_auto_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_attention_backend("auto", "cuda", torch.bfloat16) == "flashinfer"
     assert resolve_attention_backend("auto", "cuda:0", "float16") == "flashinfer"
     assert resolve_attention_backend("auto", "cuda", torch.float32) == "torch_native"
-    assert resolve_attention_backend("auto", "cpu", torch.bfloat16) == "torch_native"
+    assert resolve_attention_backend("auto", "cpu", torch.bfloat16) == "cpu"
     assert resolve_attention_backend("torch_native", "cuda", torch.bfloat16) == "torch_native"
     installed["flashinfer"] = False
     assert resolve_attention_backend("auto", "cuda", torch.bfloat16) == "torch_native"

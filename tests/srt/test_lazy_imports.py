@@ -28,7 +28,7 @@ CHECK = textwrap.dedent(
     from attention.registry import is_package_installed, resolve_attention_backend
 
     assert is_package_installed("flashinfer") and is_package_installed("sgl_kernel")
-    assert resolve_attention_backend("auto", "cpu", torch.bfloat16) == "torch_native"
+    assert resolve_attention_backend("auto", "cpu", torch.bfloat16) == "cpu"
     # A CPU forward through the layers with fused kernels "installed".
     from srt.layers.layernorm import RMSNorm
     from srt.layers.activation import SiluAndMul

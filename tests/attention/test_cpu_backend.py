@@ -1,0 +1,136 @@
+"""The cpu backend (compiled paged-decode kernel) against a float64 reference and torch_native."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import attention.cpu_kernels as cpu_kernels
+from attention import create_attention_backend
+from attention.cpu_backend import CpuAttnBackend
+from attention.registry import resolve_attention_backend
+from attention.torch_native_backend import TorchNativeAttnBackend
+from srt.model_executor.forward_batch import ForwardMode
+from tests.attention.test_torch_native_backend import TOL, Harness
+
+KERNEL = cpu_kernels.paged_decode_kernel()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the kernel cannot build")
+
+
+def cpu_harness(num_heads: int, num_kv_heads: int, dtype: torch.dtype, head_dim: int = 64, **kw):
+    backend = CpuAttnBackend(
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype
+    )
+    return Harness(num_heads, num_kv_heads, dtype, head_dim=head_dim, backend=backend, **kw)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(4, 4, 64), (9, 3, 64), (8, 1, 64), (14, 2, 64), (8, 2, 128), (3, 3, 128)],
+)
+def test_decode_matches_reference(dtype, num_heads, num_kv_heads, head_dim):
+    """Every specialised (query group, head dim) shape, ragged lengths, rows out of order."""
+    h = cpu_harness(num_heads, num_kv_heads, dtype, head_dim)
+    assert h.builder.backend.uses_kernel
+    h.step([(0, 3), (1, 17), (2, 1), (3, 140)])  # 140 > one tile of 128 tokens
+    for _ in range(3):
+        assert h.step([(0, 1), (1, 1), (2, 1), (3, 1)]) < TOL[dtype]
+    assert h.step([(3, 1), (1, 1)]) < TOL[dtype]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_sequence_split_over_threads(dtype):
+    """One long request is split into ranges (one per thread and more) that are merged."""
+    h = cpu_harness(6, 2, dtype, num_slots=4096, max_context_len=2048)
+    h.step([(0, 1500)])
+    assert h.step([(0, 1)]) < TOL[dtype]
+    h.step([(1, 700), (2, 5)])
+    assert h.step([(0, 1), (1, 1), (2, 1)]) < TOL[dtype]
+
+
+@needs_kernel
+def test_page_size_16_and_mixed_batches():
+    h = cpu_harness(9, 3, torch.float32, page_size=16)
+    h.step([(0, 40), (1, 3)])
+    assert h.step([(0, 1), (1, 1)]) < TOL[torch.float32]
+    mixed = [(0, 1), (1, 6), (2, 20)]  # extend batches run torch_native's path
+    assert h.step(mixed, mode=ForwardMode.MIXED) < TOL[torch.float32]
+    assert h.step([(0, 1), (1, 1), (2, 1)]) < TOL[torch.float32]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_equals_torch_native(dtype):
+    """Same pool, same batch: the kernel's output equals torch_native's to rounding."""
+    gen = torch.Generator().manual_seed(7)
+    h = cpu_harness(9, 3, dtype)
+    h.step([(i, 30 + 37 * i) for i in range(6)])
+    batch = h.builder.build([(i, [0]) for i in range(6)])
+    q = torch.randn(6, 9 * 64, generator=gen).to(dtype)
+    k = torch.randn(6, 3 * 64, generator=gen).to(dtype)
+    v = torch.randn(6, 3 * 64, generator=gen).to(dtype)
+    layer = h.layers[0]
+    got = layer(q, k, v, batch)
+    native = TorchNativeAttnBackend()
+    batch.attn_backend = native
+    native.init_forward_metadata(batch)
+    want = layer(q, k, v, batch)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_unsupported_shapes_fall_back_to_torch(caplog):
+    """A head dim or query group the kernel is not built for decodes through torch_native."""
+    for heads, kv_heads, head_dim in [(4, 2, 16), (18, 1, 64)]:
+        with caplog.at_level(logging.WARNING, logger="attention.cpu_backend"):
+            h = cpu_harness(heads, kv_heads, torch.float32, head_dim)
+        assert not h.builder.backend.uses_kernel
+        assert "decode uses the torch path" in caplog.text
+        h.step([(0, 5), (1, 9)])
+        assert h.step([(0, 1), (1, 1)]) < TOL[torch.float32]
+        caplog.clear()
+
+
+def test_build_failure_falls_back(monkeypatch, tmp_path, caplog):
+    """No usable compiler: the kernel is None with the reason logged, and decode still works."""
+    monkeypatch.setenv("RADIXRT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv("PATH", str(tmp_path))  # neither gcc nor cc on PATH
+    cpu_kernels.paged_decode_kernel.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="attention.cpu_kernels"):
+            assert cpu_kernels.paged_decode_kernel() is None
+        assert "no C compiler" in caplog.text
+        h = cpu_harness(9, 3, torch.float32)
+        assert not h.builder.backend.uses_kernel
+        h.step([(0, 5)])
+        assert h.step([(0, 1)]) < TOL[torch.float32]
+    finally:
+        cpu_kernels.paged_decode_kernel.cache_clear()
+
+
+@needs_kernel
+def test_build_is_cached_by_content(monkeypatch, tmp_path):
+    """A fresh cache builds once; a second build returns the same file without compiling."""
+    monkeypatch.setenv("RADIXRT_CACHE_DIR", str(tmp_path))
+    first = cpu_kernels.build_library("paged_decode.c")
+    assert first.parent == tmp_path / "kernels" and first.exists()
+    mtime = first.stat().st_mtime_ns
+    assert cpu_kernels.build_library("paged_decode.c") == first
+    assert first.stat().st_mtime_ns == mtime
+    assert list((tmp_path / "kernels").iterdir()) == [first]  # no temporary left behind
+
+
+def test_auto_picks_cpu_on_cpu():
+    assert resolve_attention_backend("auto", "cpu", torch.float32) == "cpu"
+    assert resolve_attention_backend("auto", "cpu", torch.bfloat16) == "cpu"
+    assert resolve_attention_backend("torch_native", "cpu", torch.float32) == "torch_native"
+    backend = create_attention_backend(
+        "cpu", num_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.float32, device="cpu"
+    )
+    assert isinstance(backend, CpuAttnBackend)
