@@ -11,9 +11,11 @@ Runs on CPU and GPU and is what every other backend is tested against.
 Extend loops over requests and, within one, over query blocks of at most
 EXTEND_QUERY_BLOCK rows (bottom-right aligned causal masks planned once per batch); it
 attends with two batched matmuls per block, stacking a KV head's query group as rows so
-K/V are never repeated. Decode sorts requests by length into a few buckets and runs one
-SDPA per bucket over a padded `[b, max_len]` gather, padding pointing at slot 0 and masked
-out (slot 0 must hold finite values); there is no per-request loop.
+K/V are never repeated. Decode sorts requests by length into a few buckets and runs two
+batched matmuls per bucket over a padded `[b, max_len]` gather, staged across the steps of
+one batch (`torch_native_decode.py`), padding pointing at slot 0 and masked out (slot 0 must
+hold finite values); there is no per-request loop. The `cpu` backend (`cpu_backend.py`)
+reuses this extend and replaces this decode with a compiled kernel.
 """
 
 from __future__ import annotations

@@ -63,55 +63,70 @@ static inline float exp_nonpos(float x) {
     return p * scale.f;
 }
 
-/* Float vectors of 16 lanes (GCC vector extensions: one AVX-512 register, or two AVX2 ones). */
-typedef float vf16 __attribute__((vector_size(64)));
-typedef uint16_t vh16 __attribute__((vector_size(32)));
-typedef uint32_t vu16 __attribute__((vector_size(64)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
+/* Float vectors of W lanes (GCC vector extensions): one AVX-512 register, or one AVX2 one. */
+#if defined(__AVX512F__)
+#define W 16
+#else
+#define W 8
+#endif
+typedef float vf __attribute__((vector_size(4 * W)));
+typedef uint16_t vh __attribute__((vector_size(2 * W)));
+typedef uint32_t vu __attribute__((vector_size(4 * W)));
+typedef int32_t vi __attribute__((vector_size(4 * W)));
 
-static inline vf16 load_f32(const float *p) {
-    vf16 v;
+static inline vf load_f32(const float *p) {
+    vf v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
-static inline vf16 load_bf16(const uint16_t *p) {
-    vh16 h;
+static inline vf load_bf16(const uint16_t *p) {
+    vh h;
     memcpy(&h, p, sizeof h);
-    vu16 u = __builtin_convertvector(h, vu16) << 16;
-    vf16 v;
+    vu u = __builtin_convertvector(h, vu) << 16;
+    vf v;
     memcpy(&v, &u, sizeof v);
     return v;
 }
 
-static inline float hsum(vf16 v) {
-    v += __builtin_shuffle(v, (vi16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    v += __builtin_shuffle(v, (vi16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-    v += __builtin_shuffle(v, (vi16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-    v += __builtin_shuffle(v, (vi16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+static inline float hsum(vf v) {
+#if W == 16
+    v += __builtin_shuffle(v, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v += __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    v += __builtin_shuffle(v, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    v += __builtin_shuffle(v, (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+#else
+    v += __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3});
+    v += __builtin_shuffle(v, (vi){2, 3, 0, 1, 6, 7, 4, 5});
+    v += __builtin_shuffle(v, (vi){1, 0, 3, 2, 5, 4, 7, 6});
+#endif
     return v[0];
 }
 
-static const vi16 LANES = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#if W == 16
+static const vi LANES = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#else
+static const vi LANES = {0, 1, 2, 3, 4, 5, 6, 7};
+#endif
 
-/* exp_nonpos on 16 lanes. n = round(x * log2 e) is taken by truncating x * log2 e - 0.5
+/* exp_nonpos on W lanes. n = round(x * log2 e) is taken by truncating x * log2 e - 0.5
  * (x <= 0), which keeps |r| <= ln 2 / 2 as in the scalar version. */
-static inline vf16 exp_nonpos_v(vf16 x) {
+static inline vf exp_nonpos_v(vf x) {
     const float log2e = 1.44269504088896341f;
     const float ln2_hi = 0.693359375f;
     const float ln2_lo = -2.12194440e-4f;
-    vi16 low = x < -87.0f;
-    vf16 floor_x = (vf16){0} - 87.0f;
-    vu16 xb, fb;
+    vi low = x < -87.0f;
+    vf floor_x = (vf){0} - 87.0f;
+    vu xb, fb;
     memcpy(&xb, &x, sizeof x);
     memcpy(&fb, &floor_x, sizeof x);
-    xb = (xb & ~(vu16)low) | (fb & (vu16)low);
+    xb = (xb & ~(vu)low) | (fb & (vu)low);
     memcpy(&x, &xb, sizeof x);
-    vi16 ni = __builtin_convertvector(x * log2e - 0.5f, vi16);
-    vf16 n = __builtin_convertvector(ni, vf16);
-    vf16 r = x - n * ln2_hi;
+    vi ni = __builtin_convertvector(x * log2e - 0.5f, vi);
+    vf n = __builtin_convertvector(ni, vf);
+    vf r = x - n * ln2_hi;
     r = r - n * ln2_lo;
-    vf16 p = (vf16){0} + 1.f / 5040.f;
+    vf p = (vf){0} + 1.f / 5040.f;
     p = p * r + 1.f / 720.f;
     p = p * r + 1.f / 120.f;
     p = p * r + 1.f / 24.f;
@@ -119,22 +134,22 @@ static inline vf16 exp_nonpos_v(vf16 x) {
     p = p * r + 0.5f;
     p = p * r + 1.f;
     p = p * r + 1.f;
-    vu16 scale = (vu16)(ni + 127) << 23;
-    vf16 scale_f;
+    vu scale = (vu)(ni + 127) << 23;
+    vf scale_f;
     memcpy(&scale_f, &scale, sizeof scale);
     return p * scale_f;
 }
 
-/* One head's row of D = 16 * NV elements as float32 vectors. */
+/* One head's row of D = W * NV elements as float32 vectors. */
 static inline __attribute__((always_inline)) void load_row(const void *cache, int kv_bf16,
                                                            int64_t base, const int NV,
-                                                           vf16 *row) {
+                                                           vf *row) {
     if (kv_bf16) {
         const uint16_t *src = (const uint16_t *)cache + base;
-        for (int c = 0; c < NV; c++) row[c] = load_bf16(src + 16 * c);
+        for (int c = 0; c < NV; c++) row[c] = load_bf16(src + W * c);
     } else {
         const float *src = (const float *)cache + base;
-        for (int c = 0; c < NV; c++) row[c] = load_f32(src + 16 * c);
+        for (int c = 0; c < NV; c++) row[c] = load_f32(src + W * c);
     }
 }
 
@@ -144,7 +159,7 @@ static inline void prefetch_row(const void *cache, int64_t slot, int row_bytes) 
 }
 
 /* One work item: the H = Hkv * G queries q[H][D] (float32) of one request against its
- * tokens [t_begin, t_end), D = 16 * NV. A token's K (then V) row holds all its KV heads,
+ * tokens [t_begin, t_end), D = W * NV. A token's K (then V) row holds all its KV heads,
  * scattered over the pool: rows are prefetched PREFETCH tokens ahead, and each is read from
  * memory once (the G queries of a KV head reuse it from cache). Leaves the unnormalised
  * output in acc[H][D], the running max in m[H], the sum of exponentials in l[H]. Inlined
@@ -153,14 +168,14 @@ static inline __attribute__((always_inline)) void attend_range(
     const float *q, const void *k_cache, const void *v_cache, int kv_bf16, int64_t slot_stride,
     const int32_t *slots, int64_t t_begin, int64_t t_end, int Hkv, const int G, const int NV,
     float scale, float *acc_out, float *m, float *l) {
-    const int H = Hkv * G, D = 16 * NV;
+    const int H = Hkv * G, D = W * NV;
     const int row_bytes = (int)(slot_stride * (kv_bf16 ? 2 : 4));
     float s[H][TILE];
-    vf16 acc[H][NV];
+    vf acc[H][NV];
     for (int j = 0; j < H; j++) {
         m[j] = -FLT_MAX;
         l[j] = 0.f;
-        for (int c = 0; c < NV; c++) acc[j][c] = (vf16){0};
+        for (int c = 0; c < NV; c++) acc[j][c] = (vf){0};
     }
     for (int64_t t0 = t_begin; t0 < t_end; t0 += TILE) {
         const int tn = (int)(t_end - t0 < TILE ? t_end - t0 : TILE);
@@ -168,33 +183,33 @@ static inline __attribute__((always_inline)) void attend_range(
             if (t0 + t + PREFETCH < t_end) prefetch_row(k_cache, slots[t0 + t + PREFETCH], row_bytes);
             const int64_t base = (int64_t)slots[t0 + t] * slot_stride;
             for (int h = 0; h < Hkv; h++) {
-                vf16 k[NV];
+                vf k[NV];
                 load_row(k_cache, kv_bf16, base + (int64_t)h * D, NV, k);
                 for (int g = 0; g < G; g++) {
                     const float *qj = q + (h * G + g) * D;
-                    vf16 dot = load_f32(qj) * k[0];
-                    for (int c = 1; c < NV; c++) dot += load_f32(qj + 16 * c) * k[c];
+                    vf dot = load_f32(qj) * k[0];
+                    for (int c = 1; c < NV; c++) dot += load_f32(qj + W * c) * k[c];
                     s[h * G + g][t] = hsum(dot) * scale;
                 }
             }
         }
-        /* Online softmax, 16 scores at a time (lanes past tn count as 0): rescale what was
+        /* Online softmax, W scores at a time (lanes past tn count as 0): rescale what was
          * accumulated when the maximum grows. */
-        const int tv = (tn + 15) / 16;
+        const int tv = (tn + W - 1) / W;
         for (int j = 0; j < H; j++) {
             float tile_max = -FLT_MAX;
             for (int t = 0; t < tn; t++) tile_max = s[j][t] > tile_max ? s[j][t] : tile_max;
             const float new_m = tile_max > m[j] ? tile_max : m[j];
             const float alpha = exp_nonpos(m[j] - new_m);
-            vf16 sum = {0};
+            vf sum = {0};
             for (int i = 0; i < tv; i++) {
-                vf16 p = exp_nonpos_v(load_f32(&s[j][16 * i]) - new_m);
-                vi16 live = LANES < tn - 16 * i;
-                vu16 bits;
+                vf p = exp_nonpos_v(load_f32(&s[j][W * i]) - new_m);
+                vi live = LANES < tn - W * i;
+                vu bits;
                 memcpy(&bits, &p, sizeof p);
-                bits &= (vu16)live;
+                bits &= (vu)live;
                 memcpy(&p, &bits, sizeof p);
-                memcpy(&s[j][16 * i], &p, sizeof p);
+                memcpy(&s[j][W * i], &p, sizeof p);
                 sum += p;
             }
             l[j] = l[j] * alpha + hsum(sum);
@@ -205,7 +220,7 @@ static inline __attribute__((always_inline)) void attend_range(
             if (t0 + t + PREFETCH < t_end) prefetch_row(v_cache, slots[t0 + t + PREFETCH], row_bytes);
             const int64_t base = (int64_t)slots[t0 + t] * slot_stride;
             for (int h = 0; h < Hkv; h++) {
-                vf16 v[NV];
+                vf v[NV];
                 load_row(v_cache, kv_bf16, base + (int64_t)h * D, NV, v);
                 for (int g = 0; g < G; g++) {
                     const float p = s[h * G + g][t];
@@ -218,19 +233,19 @@ static inline __attribute__((always_inline)) void attend_range(
 }
 
 /* attend_range specialised for the common query-group sizes and head dims. */
-#define ATTEND_CASE(G_, NV_)                                                                  \
-    case (G_) * 16 + (NV_):                                                                   \
+#define ATTEND_CASE(G_, D_)                                                                   \
+    case (G_) * 1024 + (D_):                                                                  \
         attend_range(q, k_cache, v_cache, kv_bf16, slot_stride, slots, t_begin, t_end, Hkv,  \
-                     G_, NV_, scale, acc, m, l);                                              \
+                     G_, (D_) / W, scale, acc, m, l);                                              \
         return 0;
-#define ATTEND_CASES(G_) ATTEND_CASE(G_, 4) ATTEND_CASE(G_, 8)
+#define ATTEND_CASES(G_) ATTEND_CASE(G_, 64) ATTEND_CASE(G_, 128)
 
 /* Returns 1 when no specialisation matches (the caller checks that up front). */
 static int attend_dispatch(const float *q, const void *k_cache, const void *v_cache, int kv_bf16,
                            int64_t slot_stride, const int32_t *slots, int64_t t_begin,
                            int64_t t_end, int Hkv, int G, int D, float scale, float *acc,
                            float *m, float *l) {
-    switch (G * 16 + D / 16) {
+    switch (G * 1024 + D) {
         ATTEND_CASES(1)
         ATTEND_CASES(2)
         ATTEND_CASES(3)
