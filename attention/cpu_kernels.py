@@ -141,6 +141,11 @@ class PagedDecodeKernel:
             out.data_ptr(),
             torch.get_num_threads(),
         )
+        if status == 2:
+            raise ValueError(
+                f"paged decode attention: no kernel for {num_heads} query heads over "
+                f"{kv_heads} KV heads of dim {head_dim}"
+            )
         if status != 0:
             raise MemoryError("paged decode attention: scratch allocation failed")
         return out

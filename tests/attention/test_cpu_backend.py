@@ -134,3 +134,20 @@ def test_auto_picks_cpu_on_cpu():
         "cpu", num_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.float32, device="cpu"
     )
     assert isinstance(backend, CpuAttnBackend)
+
+
+@needs_kernel
+def test_kernel_refuses_a_shape_it_has_no_case_for():
+    """Called directly with an unspecialised head dim, the kernel raises instead of guessing."""
+    k_cache = torch.zeros(8, 1, 32)
+    with pytest.raises(ValueError, match="no kernel for 2 query heads over 1 KV heads of dim 32"):
+        KERNEL(
+            torch.zeros(1, 64),
+            k_cache,
+            k_cache.clone(),
+            torch.zeros(2, 8, dtype=torch.int32),
+            torch.tensor([1]),
+            torch.tensor([3]),
+            2,
+            0.125,
+        )
