@@ -12,11 +12,11 @@
  *   pool_rows    int64 [B], seq_lens int64 [B]       tokens with KV, the new one included
  *   out          float32 [B, H, D]                   contiguous
  *
- * Query head h uses KV head h / G (G = H / Hkv). One work item is (request, KV head,
- * split): it reads each of its tokens' K and V rows once for all G query heads of that KV
- * head, in tiles of TILE tokens with an online softmax (running max and sum, float32). Long
- * sequences are split so that there are enough items for every thread; the splits are
- * merged at the end by their maxima and sums.
+ * Query head h uses KV head h / G (G = H / Hkv). One work item is (request, split): it reads
+ * each of its tokens' K and V rows (all KV heads) once for all H queries, in tiles of TILE
+ * tokens with an online softmax (running max and sum, float32). Long sequences are split so
+ * that there are enough items for every thread; the splits are merged at the end by their
+ * maxima and sums.
  */
 
 #include <float.h>
@@ -27,41 +27,6 @@
 #define TILE 128
 #define MIN_SPLIT_TOKENS 256
 #define PREFETCH 8
-
-static inline float bf16_to_float(uint16_t x) {
-    union {
-        uint32_t u;
-        float f;
-    } c;
-    c.u = (uint32_t)x << 16;
-    return c.f;
-}
-
-/* e^x for x <= 0, ~1 ulp on the range that matters; branch-free so loops over it vectorize.
- * Below -87 the result is e^-87 (~1.6e-38), which is 0 for every sum it enters. */
-static inline float exp_nonpos(float x) {
-    const float log2e = 1.44269504088896341f;
-    const float ln2_hi = 0.693359375f;
-    const float ln2_lo = -2.12194440e-4f;
-    x = x < -87.0f ? -87.0f : x;
-    float n = __builtin_floorf(x * log2e + 0.5f);
-    float r = x - n * ln2_hi;
-    r = r - n * ln2_lo;
-    float p = 1.f / 5040.f;
-    p = p * r + 1.f / 720.f;
-    p = p * r + 1.f / 120.f;
-    p = p * r + 1.f / 24.f;
-    p = p * r + 1.f / 6.f;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
-    union {
-        uint32_t u;
-        float f;
-    } scale;
-    scale.u = (uint32_t)((int32_t)n + 127) << 23;
-    return p * scale.f;
-}
 
 /* Float vectors of W lanes (GCC vector extensions): one AVX-512 register, or one AVX2 one. */
 #if defined(__AVX512F__)
@@ -109,8 +74,10 @@ static const vi LANES = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 static const vi LANES = {0, 1, 2, 3, 4, 5, 6, 7};
 #endif
 
-/* exp_nonpos on W lanes. n = round(x * log2 e) is taken by truncating x * log2 e - 0.5
- * (x <= 0), which keeps |r| <= ln 2 / 2 as in the scalar version. */
+/* e^x for x <= 0 on W lanes, ~1 ulp on the range that matters: x = n ln 2 + r with
+ * n = round(x log2 e), taken by truncating x log2 e - 0.5 (x <= 0), so |r| <= ln 2 / 2; e^r
+ * by its degree-7 Taylor polynomial; 2^n built in the exponent bits. Below -87 the result is
+ * e^-87 (~1.6e-38), which is 0 for every sum it enters. */
 static inline vf exp_nonpos_v(vf x) {
     const float log2e = 1.44269504088896341f;
     const float ln2_hi = 0.693359375f;
@@ -138,6 +105,11 @@ static inline vf exp_nonpos_v(vf x) {
     vf scale_f;
     memcpy(&scale_f, &scale, sizeof scale);
     return p * scale_f;
+}
+
+/* The same for one value (a tile's rescale factor, a split's weight). */
+static inline float exp_nonpos(float x) {
+    return exp_nonpos_v((vf){0} + x)[0];
 }
 
 /* One head's row of D = W * NV elements as float32 vectors. */
