@@ -29,11 +29,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# The query-group sizes and head dims the kernel is specialised for.
-KERNEL_MAX_GROUP = 8
-KERNEL_HEAD_DIMS = (64, 128)
-
-
 class CpuAttnBackend(TorchNativeAttnBackend):
     """torch_native's extend, and decode through the compiled paged-decode kernel."""
 
@@ -57,7 +52,6 @@ class CpuAttnBackend(TorchNativeAttnBackend):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         if self._kernel is not None and forward_batch.forward_mode.is_decode():
             # The kernel reads req_pool_indices and seq_lens, already on the batch.
-            self._decode_plan = None
             forward_batch.attn_metadata = None
             return
         super().init_forward_metadata(forward_batch)
@@ -93,14 +87,15 @@ def _usable_kernel(
     num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
 ) -> PagedDecodeKernel | None:
     """The kernel if it can run this model's decode here, else None (logged with why)."""
-    reason = None
     if not PagedDecodeKernel.supports(dtype, device):
         reason = f"a {dtype} KV pool on {device}"
-    elif num_heads % num_kv_heads or num_heads // num_kv_heads > KERNEL_MAX_GROUP:
-        reason = f"{num_heads} query heads over {num_kv_heads} KV heads (groups of 1-8 only)"
-    elif head_dim not in KERNEL_HEAD_DIMS:
-        reason = f"head dim {head_dim} (64 or 128 only)"
-    if reason is not None:
-        logger.warning("CPU decode kernel cannot run %s; decode uses the torch path", reason)
-        return None
-    return paged_decode_kernel()  # None, with a logged reason, where it cannot be built
+    else:
+        kernel = paged_decode_kernel()  # None, with a logged reason, where it cannot be built
+        if kernel is None or kernel.supports_shape(num_heads, num_kv_heads, head_dim):
+            return kernel
+        reason = (
+            f"{num_heads} query heads over {num_kv_heads} KV heads of dim {head_dim} "
+            "(query groups of 1-8, head dims 64 and 128)"
+        )
+    logger.warning("CPU decode kernel cannot run %s; decode uses the torch path", reason)
+    return None

@@ -98,6 +98,13 @@ class PagedDecodeKernel:
         fn.argtypes = [p, p, p, i32, i64, p, i64, p, p, i32, i32, i32, i32, ctypes.c_float, p, i32]
         fn.restype = i32
         self._fn = fn
+        self._supports = library.paged_decode_supports
+        self._supports.argtypes = [i32, i32, i32]
+        self._supports.restype = i32
+
+    def supports_shape(self, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        """Whether the kernel is specialised for this query group and head dim."""
+        return bool(self._supports(num_heads, num_kv_heads, head_dim))
 
     @staticmethod
     def supports(kv_dtype: torch.dtype, device: torch.device) -> bool:

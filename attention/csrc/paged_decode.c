@@ -212,7 +212,7 @@ static inline __attribute__((always_inline)) void attend_range(
         return;
 #define ATTEND_CASES(G_) ATTEND_CASE(G_, 64) ATTEND_CASE(G_, 128)
 
-/* Every (G, D) that `supported` accepts has a case here. */
+/* Every (G, D) that paged_decode_supports accepts has a case here. */
 static void attend_dispatch(const float *q, const void *k_cache, const void *v_cache, int kv_bf16,
                            int64_t slot_stride, const int32_t *slots, int64_t t_begin,
                            int64_t t_end, int Hkv, int G, int D, float scale, float *acc,
@@ -229,20 +229,21 @@ static void attend_dispatch(const float *q, const void *k_cache, const void *v_c
     }
 }
 
-/* Query-group sizes 1..8 and head dims 64 and 128. */
-static int supported(int H, int Hkv, int D) {
+/* Query-group sizes 1..8 and head dims 64 and 128: the shapes attend_dispatch has a case for.
+ * Exported, so callers ask here instead of restating the rule. */
+int paged_decode_supports(int H, int Hkv, int D) {
     if (Hkv <= 0 || H % Hkv != 0) return 0;
     int G = H / Hkv;
     return G >= 1 && G <= 8 && (D == 64 || D == 128);
 }
 
 /* Returns 0 on success, 1 when scratch memory could not be allocated, 2 for a shape
- * `supported` rejects. */
+ * paged_decode_supports rejects. */
 int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int kv_bf16,
                            int64_t slot_stride, const int32_t *req_to_token, int64_t r2t_stride,
                            const int64_t *pool_rows, const int64_t *seq_lens, int B, int H,
                            int Hkv, int D, float scale, float *out, int num_threads) {
-    if (!supported(H, Hkv, D)) return 2;
+    if (!paged_decode_supports(H, Hkv, D)) return 2;
     const int G = H / Hkv;
     int64_t max_len = 0;
     for (int b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;

@@ -84,6 +84,7 @@ def test_decode_equals_torch_native(dtype):
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+@needs_kernel
 def test_unsupported_shapes_fall_back_to_torch(caplog):
     """A head dim or query group the kernel is not built for decodes through torch_native."""
     for heads, kv_heads, head_dim in [(4, 2, 16), (18, 1, 64)]:
