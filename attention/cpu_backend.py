@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
 class CpuAttnBackend(TorchNativeAttnBackend):
     """torch_native's extend, and decode through the compiled paged-decode kernel."""
 
@@ -43,7 +44,9 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self._kernel = _usable_kernel(num_heads, num_kv_heads, head_dim, dtype, torch.device(device))
+        self._kernel = _usable_kernel(
+            num_heads, num_kv_heads, head_dim, dtype, torch.device(device)
+        )
 
     @property
     def uses_kernel(self) -> bool:

@@ -201,6 +201,11 @@ class ServerArgs:
     disable_cpu_weight_prepack: bool = _opt(
         False, "CPU: plain F.linear instead of oneDNN-prepacked matmul weights"
     )
+    disable_cpu_fused_ops: bool = _opt(
+        False,
+        "CPU: the layers' torch code instead of the compiled RMSNorm (with the residual add), "
+        "SiLU-and-mul and RoPE",
+    )
     cuda_graph_max_bs: int = _opt(
         160, "largest decode batch captured in a CUDA graph (1, 2, 4, 8, then every 8)"
     )

@@ -10,7 +10,12 @@ Providers, in order of preference:
    `flashinfer.activation.silu_and_mul`, `flashinfer.rope.apply_rope_with_cos_sin_cache_inplace`),
    when `import flashinfer` succeeds and the same probe runs (it JIT-compiles its kernels,
    so a missing nvcc shows up here, not inside a forward).
-3. torch: the layers' own code, which is also the numerical reference and the CPU path.
+3. torch: the layers' own code, which is also the numerical reference.
+
+On CPU the same four ops come from `attention/cpu_kernels.py` (`layer_ops_kernel()`, C
+compiled at first use) for float32 and bfloat16. They are handed to the modules of one model
+by `enable_cpu_ops(model)` (the model runner calls it after loading, unless
+`--disable-cpu-fused-ops`), not chosen per process: a module without them runs its torch code.
 
 Both libraries expose the same four ops with the same semantics, so the layers call them
 through one namespace: `rmsnorm(x, w, eps)` -> new tensor; `fused_add_rmsnorm(x, r, w, eps)`
@@ -176,3 +181,30 @@ def fused_ops() -> Any:
     chosen = _provider
     assert chosen is not None and chosen.ops is not None, "use_fused() must be True first"
     return chosen.ops
+
+
+class CpuOpsUser:
+    """Base of the modules that can run the compiled CPU layer ops: `cpu_ops` is set by
+    `enable_cpu_ops` and stays None (the torch code) otherwise."""
+
+    cpu_ops: Any | None = None
+
+
+def cpu_ops_for(module: CpuOpsUser, *tensors: torch.Tensor) -> Any | None:
+    """`module`'s CPU ops when it has them and they take `tensors`, else None."""
+    ops = module.cpu_ops
+    return ops if ops is not None and ops.accepts(*tensors) else None
+
+
+def enable_cpu_ops(model: torch.nn.Module) -> int:
+    """Give every `CpuOpsUser` of `model` the compiled CPU layer ops; returns how many got them
+    (0, with a warning from the builder, where they cannot be built)."""
+    from attention.cpu_kernels import layer_ops_kernel
+
+    ops = layer_ops_kernel()
+    users = [m for m in model.modules() if isinstance(m, CpuOpsUser)]
+    for module in users:
+        module.cpu_ops = ops
+    count = len(users) if ops is not None else 0
+    logger.info("CPU layer ops: %d modules run the compiled RMSNorm / SiLU-and-mul / RoPE", count)
+    return count

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,14 +25,15 @@ def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     return weight * x32.to(input_dtype)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(nn.Module, fused_kernels.CpuOpsUser):
     """`forward(x)` -> normed x; `forward(x, residual)` -> (normed(x + residual), x + residual).
 
     The native path is the numerical reference and the CPU path. On CUDA, when a fused-op
     provider was found (sgl-kernel or FlashInfer, see `fused_kernels`), its `rmsnorm` /
     `fused_add_rmsnorm` run instead; the fused add works in place:
     afterwards `x` holds the normed output and `residual` the sum (when they are
-    contiguous), which is what the decoder layers want.
+    contiguous), which is what the decoder layers want. On CPU the compiled ops given by
+    `fused_kernels.enable_cpu_ops` run the same two calls, for float32 and bfloat16.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -47,16 +50,18 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if fused_kernels.use_fused(x):
-            return self._forward_fused(x, residual)
+            return self._forward_fused(fused_kernels.fused_ops(), x, residual)
+        tensors = (x, self.weight) if residual is None else (x, residual, self.weight)
+        if (ops := fused_kernels.cpu_ops_for(self, *tensors)) is not None:
+            return self._forward_fused(ops, x, residual)
         if residual is None:
             return rms_norm_native(x, self.weight, self.variance_epsilon)
         summed = x + residual
         return rms_norm_native(summed, self.weight, self.variance_epsilon), summed
 
     def _forward_fused(
-        self, x: torch.Tensor, residual: torch.Tensor | None
+        self, ops: Any, x: torch.Tensor, residual: torch.Tensor | None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        ops = fused_kernels.fused_ops()
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).contiguous()  # the kernels take [tokens, hidden]
         weight = self.weight.data

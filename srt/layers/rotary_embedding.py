@@ -21,7 +21,7 @@ from torch import nn
 from srt.layers import fused_kernels
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(nn.Module, fused_kernels.CpuOpsUser):
     """Applies RoPE to q and k from a cache row per position: [cos(rot/2) | sin(rot/2)]."""
 
     def __init__(
@@ -54,10 +54,17 @@ class RotaryEmbedding(nn.Module):
 
         On CUDA with a fused-op provider (sgl-kernel or FlashInfer, see `fused_kernels`), q
         and k are rotated in place by its kernel (float32 math over the same cos/sin cache)
-        and returned.
+        and returned. On CPU the compiled op given by `fused_kernels.enable_cpu_ops` does the
+        same for 2-D q and k (float32 math, one rounding per value in bfloat16).
         """
         if fused_kernels.use_fused(q):
-            fused_kernels.fused_ops().apply_rope_with_cos_sin_cache_inplace(
+            ops = fused_kernels.fused_ops()
+        elif q.dim() == k.dim() == 2 and q.stride(1) == k.stride(1) == 1:
+            ops = fused_kernels.cpu_ops_for(self, q, k)
+        else:
+            ops = None
+        if ops is not None:
+            ops.apply_rope_with_cos_sin_cache_inplace(
                 positions, q, k, self.head_dim, self.cos_sin_cache, self.is_neox_style
             )
             return q, k

@@ -2,7 +2,9 @@
 decode CUDA graphs.
 
 On CPU the matmul weights are prepacked for oneDNN right after loading
-(`srt/layers/cpu_packed.py`; `--disable-cpu-weight-prepack` turns it off).
+(`srt/layers/cpu_packed.py`; `--disable-cpu-weight-prepack` turns it off), and the norms, the
+gated activation and RoPE get the compiled CPU layer ops (`fused_kernels.enable_cpu_ops`;
+`--disable-cpu-fused-ops` turns it off).
 
 Construction order matters on a GPU: the weights load, then the attention backend (its
 workspace is resident memory too), then the KV pool is sized from what is left
@@ -34,6 +36,7 @@ from mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from srt.configs.model_config import ModelConfig
 from srt.distributed import TPGroup, head_layout
 from srt.layers.cpu_packed import prepack_cpu_weights
+from srt.layers.fused_kernels import enable_cpu_ops
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner
 from srt.model_executor.forward_batch import ForwardBatch
 from srt.model_executor.memory_sizing import (
@@ -99,6 +102,8 @@ class ModelRunner:
         self.model = get_model(model_config, server_args.load_format, self.device, self.tp)
         if self.device == "cpu" and not server_args.disable_cpu_weight_prepack:
             prepack_cpu_weights(self.model)  # before the KV pool takes its share of free RAM
+        if self.device == "cpu" and not server_args.disable_cpu_fused_ops:
+            enable_cpu_ops(self.model)
         self.attn_backend_name = resolve_attention_backend(
             server_args.attention_backend, self.device, model_config.dtype
         )

@@ -7,8 +7,7 @@ import logging
 import pytest
 import torch
 
-import attention.cpu_kernels as cpu_kernels
-from attention import create_attention_backend
+from attention import cpu_kernels, create_attention_backend
 from attention.cpu_backend import CpuAttnBackend
 from attention.registry import resolve_attention_backend
 from attention.torch_native_backend import TorchNativeAttnBackend

@@ -14,6 +14,8 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+from attention.cpu_kernels import layer_ops_kernel
+from srt.layers import fused_kernels
 from srt.layers.layernorm import RMSNorm
 from srt.layers.rotary_embedding import get_rope, rope_settings_from_config
 from srt.model_executor.forward_batch import ForwardMode
@@ -60,8 +62,11 @@ ARCH = {
 }
 
 
-def build_pair(config: PretrainedConfig, dtype: torch.dtype = torch.float32):
-    """(hf_model, our_model) with the same random weights, larger than HF's 0.02 init."""
+def build_pair(
+    config: PretrainedConfig, dtype: torch.dtype = torch.float32, layer_ops: str = "torch"
+):
+    """(hf_model, our_model) with the same random weights, larger than HF's 0.02 init;
+    `layer_ops="cpu"` gives ours the compiled CPU layer ops (`fused_kernels.enable_cpu_ops`)."""
     config._attn_implementation = "eager"
     arch = ARCH[type(config)]
     torch.manual_seed(0)
@@ -75,6 +80,10 @@ def build_pair(config: PretrainedConfig, dtype: torch.dtype = torch.float32):
     hf = hf.to(dtype)
     ours = get_model_class([arch])(config).to(dtype)
     ours.load_weights(hf.state_dict().items())
+    if layer_ops == "cpu":
+        if layer_ops_kernel() is None:
+            pytest.skip("no C compiler: the CPU layer ops cannot build")
+        assert fused_kernels.enable_cpu_ops(ours) > 0
     return hf, ours
 
 
@@ -90,10 +99,11 @@ def builder_for(config: PretrainedConfig, dtype: torch.dtype = torch.float32):
     )
 
 
+@pytest.mark.parametrize("layer_ops", ["torch", "cpu"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_extend_all_logits_ragged_batch(name: str):
+def test_extend_all_logits_ragged_batch(name: str, layer_ops: str):
     config = CONFIGS[name]
-    hf, ours = build_pair(config)
+    hf, ours = build_pair(config, layer_ops=layer_ops)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (7, 1, 13)]
     builder = builder_for(config)
@@ -106,10 +116,11 @@ def test_extend_all_logits_ragged_batch(name: str):
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("layer_ops", ["torch", "cpu"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_prefill_chunk_then_decode_matches_full_forward(name: str):
+def test_prefill_chunk_then_decode_matches_full_forward(name: str, layer_ops: str):
     config = CONFIGS[name]
-    hf, ours = build_pair(config)
+    hf, ours = build_pair(config, layer_ops=layer_ops)
     gen = torch.Generator().manual_seed(2)
     seqs = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 9, 3)]
     builder = builder_for(config)
@@ -135,8 +146,9 @@ def test_prefill_chunk_then_decode_matches_full_forward(name: str):
     run([(0, [3, 4, 5]), (2, [77])], mode=ForwardMode.MIXED)
 
 
-def test_bf16_model_close_to_hf_bf16():
-    hf, ours = build_pair(CONFIGS["qwen3_tied"], torch.bfloat16)
+@pytest.mark.parametrize("layer_ops", ["torch", "cpu"])
+def test_bf16_model_close_to_hf_bf16(layer_ops: str):
+    hf, ours = build_pair(CONFIGS["qwen3_tied"], torch.bfloat16, layer_ops)
     builder = builder_for(CONFIGS["qwen3_tied"], torch.bfloat16)
     prompt = list(range(10, 30))
     batch = builder.build([(0, prompt)], logits_indices=torch.arange(len(prompt)))
