@@ -221,9 +221,9 @@ class LayerOpsKernel:
         out: torch.Tensor,
         eps: float,
     ) -> None:
-        assert self.accepts(x, weight, out) and weight.is_contiguous()
-        assert _rows(x) and _rows(out) and (residual is None or _rows(residual))
-        assert residual is None or self.accepts(x, residual)
+        rows = (x, out) if residual is None else (x, out, residual)
+        assert self.accepts(weight, *rows) and weight.is_contiguous()
+        assert all(_rows(t) for t in rows)
         self._norm(
             x.data_ptr(),
             x.stride(0),
