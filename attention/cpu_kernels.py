@@ -32,13 +32,16 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
+T = TypeVar("T")
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -164,17 +167,22 @@ class PagedDecodeKernel:
         return out
 
 
+def _load(source: str, wrapper: Callable[[ctypes.CDLL], T], what: str) -> T | None:
+    """`wrapper` around the library built from csrc/`source`, or None (logged, with why)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        logger.info("%s: not built on %s; torch path", what, platform.machine())
+        return None
+    try:
+        return wrapper(ctypes.CDLL(str(build_library(source))))
+    except (OSError, RuntimeError) as exc:
+        logger.warning("%s unavailable, using the torch path: %s", what, exc)
+        return None
+
+
 @functools.cache
 def paged_decode_kernel() -> PagedDecodeKernel | None:
     """The compiled kernel, or None (logged once, with why) where it cannot be built."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        logger.info("CPU decode kernel: not built on %s; torch path", platform.machine())
-        return None
-    try:
-        return PagedDecodeKernel(ctypes.CDLL(str(build_library("paged_decode.c"))))
-    except (OSError, RuntimeError) as exc:
-        logger.warning("CPU decode kernel unavailable, using the torch path: %s", exc)
-        return None
+    return _load("paged_decode.c", PagedDecodeKernel, "CPU decode kernel")
 
 
 _LAYER_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -310,11 +318,4 @@ class LayerOpsKernel:
 @functools.cache
 def layer_ops_kernel() -> LayerOpsKernel | None:
     """The compiled layer ops, or None (logged once, with why) where they cannot be built."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        logger.info("CPU layer ops: not built on %s; torch path", platform.machine())
-        return None
-    try:
-        return LayerOpsKernel(ctypes.CDLL(str(build_library("layer_ops.c"))))
-    except (OSError, RuntimeError) as exc:
-        logger.warning("CPU layer ops unavailable, using the torch path: %s", exc)
-        return None
+    return _load("layer_ops.c", LayerOpsKernel, "CPU layer ops")
