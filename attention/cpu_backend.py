@@ -1,26 +1,39 @@
-"""CPU attention backend: decode through a compiled kernel that reads the paged pool in place.
+"""CPU attention backend: compiled kernels that read the paged pool in place.
 
-Decode on a CPU is bound by reading K/V. The torch path (`torch_native`) gathers each
-request's K/V out of the pool into contiguous buffers and runs batched matmuls on them;
-this backend instead calls `attention/csrc/paged_decode.c` (see `attention/cpu_kernels.py`),
-which walks `req_to_token` and reads every K and V row once, straight from the pool, with
-an online softmax in float32: one call per layer, no gather, no staging, no per-request
-Python. Extend (prefill) batches run the `torch_native` code, which is matmul-bound there.
+The torch path (`torch_native`) gathers each request's K/V out of the pool into contiguous
+buffers and runs batched matmuls on them, a few small ops per request and layer. This
+backend calls two C kernels instead (see `attention/cpu_kernels.py`), one call per layer,
+no gather, no per-request Python, online softmax in float32:
 
-Where the kernel cannot run (no C compiler, a failed build, a KV dtype other than float32 or
-bfloat16, a query group over 8 heads, a head dim other than 64 or 128), decode falls back to
-`torch_native`'s path, with one log line saying why. `--attention-backend auto` picks this
-backend on CPU; `torch_native` stays the reference every backend is tested against.
+- decode, `attention/csrc/paged_decode.c`: walks `req_to_token` and reads every K and V row
+  once, straight from the pool, for all the query heads of a request (decode is bound by
+  reading K/V);
+- extend, `attention/csrc/paged_extend.c`: the new tokens of a request in blocks, each over
+  the keys its last token sees (bottom-right causal over the cached prefix), a tile of keys
+  at a time copied out of the pool once and multiplied against the block's query rows.
+
+Where a kernel cannot run (no C compiler, a failed build, a KV dtype other than float32 or
+bfloat16, a head dim other than 64 or 128, or for decode a query group over 8 heads), that
+mode falls back to `torch_native`'s path, with one log line saying why.
+`--attention-backend auto` picks this backend on CPU; `torch_native` stays the reference
+every backend is tested against.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from attention.cpu_kernels import PagedDecodeKernel, paged_decode_kernel
+from attention.cpu_kernels import (
+    PagedDecodeKernel,
+    PagedExtendKernel,
+    paged_decode_kernel,
+    paged_extend_kernel,
+)
 from attention.torch_native_backend import TorchNativeAttnBackend
 
 if TYPE_CHECKING:
@@ -28,10 +41,20 @@ if TYPE_CHECKING:
     from srt.model_executor.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
+K = TypeVar("K", PagedDecodeKernel, PagedExtendKernel)
+
+
+@dataclass(slots=True)
+class ExtendLens:
+    """The extend kernel's per-request inputs, int64 and contiguous, planned once per batch."""
+
+    pool_rows: torch.Tensor
+    prefix_lens: torch.Tensor
+    extend_lens: torch.Tensor
 
 
 class CpuAttnBackend(TorchNativeAttnBackend):
-    """torch_native's extend, and decode through the compiled paged-decode kernel."""
+    """Decode and extend through the compiled paged kernels, torch_native where one cannot run."""
 
     def __init__(
         self,
@@ -44,20 +67,62 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self._kernel = _usable_kernel(
-            num_heads, num_kv_heads, head_dim, dtype, torch.device(device)
-        )
+        shape = (num_heads, num_kv_heads, head_dim, dtype, torch.device(device))
+        self._kernel = _usable(paged_decode_kernel, "decode", *shape)
+        self._extend_kernel = _usable(paged_extend_kernel, "extend", *shape)
 
     @property
     def uses_kernel(self) -> bool:
         return self._kernel is not None
 
+    @property
+    def uses_extend_kernel(self) -> bool:
+        return self._extend_kernel is not None
+
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        if self._kernel is not None and forward_batch.forward_mode.is_decode():
+        mode = forward_batch.forward_mode
+        if self._kernel is not None and mode.is_decode():
             # The kernel reads req_pool_indices and seq_lens, already on the batch.
             forward_batch.attn_metadata = None
             return
+        if self._extend_kernel is not None and mode.is_extend():
+            self._decode_plan = None  # as in torch_native: an extend ends staged-K/V reuse
+            prefix_lens, extend_lens = self._extend_lens(forward_batch)
+            forward_batch.attn_metadata = ExtendLens(
+                forward_batch.req_pool_indices.to("cpu", torch.int64).contiguous(),
+                torch.tensor(prefix_lens, dtype=torch.int64),
+                torch.tensor(extend_lens, dtype=torch.int64),
+            )
+            return
         super().init_forward_metadata(forward_batch)
+
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        if self._extend_kernel is None:
+            return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+        if save_kv_cache:
+            self.save_kv(layer, forward_batch, k, v)
+        k_cache, v_cache = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        lens: ExtendLens = forward_batch.attn_metadata
+        out = self._extend_kernel(
+            q,
+            k_cache,
+            v_cache,
+            self._req_to_token(forward_batch),
+            lens.pool_rows,
+            lens.prefix_lens,
+            lens.extend_lens,
+            layer.num_heads,
+            layer.scaling,
+        )
+        return out.to(q.dtype)
 
     def forward_decode(
         self,
@@ -86,19 +151,22 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         return out.to(q.dtype)
 
 
-def _usable_kernel(
-    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
-) -> PagedDecodeKernel | None:
-    """The kernel if it can run this model's decode here, else None (logged with why)."""
+def _usable(
+    load: Callable[[], K | None],
+    mode: str,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> K | None:
+    """The `mode` kernel if it can run this model here, else None (logged with why)."""
     if not PagedDecodeKernel.supports(dtype, device):
         reason = f"a {dtype} KV pool on {device}"
     else:
-        kernel = paged_decode_kernel()  # None, with a logged reason, where it cannot be built
+        kernel = load()  # None, with a logged reason, where it cannot be built
         if kernel is None or kernel.supports_shape(num_heads, num_kv_heads, head_dim):
             return kernel
-        reason = (
-            f"{num_heads} query heads over {num_kv_heads} KV heads of dim {head_dim} "
-            "(query groups of 1-8, head dims 64 and 128)"
-        )
-    logger.warning("CPU decode kernel cannot run %s; decode uses the torch path", reason)
+        reason = f"{num_heads} query heads over {num_kv_heads} KV heads of dim {head_dim}"
+    logger.warning("CPU %s kernel cannot run %s; %s uses the torch path", mode, reason, mode)
     return None

@@ -2,12 +2,14 @@
 
 - `paged_decode_kernel()`: the decode-attention kernel of `csrc/paged_decode.c` (reads the
   paged KV pool in place, one query token per request).
+- `paged_extend_kernel()`: the extend-attention kernel of `csrc/paged_extend.c` (reads the
+  pool in place too: many new tokens per request, causal over the cached prefix).
 - `layer_ops_kernel()`: the elementwise layer ops of `csrc/layer_ops.c` (RMSNorm with the
   residual add fused, SiLU-and-mul, RoPE), with the call signatures of the CUDA fused-op
   providers, so `srt/layers/fused_kernels.py` hands them to the layers the same way.
 
 Each returns None when it cannot be built here (no C compiler, a failed build, a non-x86
-machine); the caller then keeps its torch path. Both sources include `csrc/cpu_vec.h`.
+machine); the caller then keeps its torch path. Every source includes `csrc/cpu_vec.h`.
 
 Build: `gcc -O3 -fopenmp -shared` with `-march=native`, or `-march=x86-64-v3` when
 `ATEN_CPU_CAPABILITY=avx2` caps torch to AVX2 (so a capped run measures an AVX2 machine). The
@@ -98,18 +100,20 @@ def build_library(source: str) -> Path:
     return target
 
 
-class PagedDecodeKernel:
-    """Decode attention over the paged pool: `__call__` returns float32 [B, H * D]."""
+class _PagedAttentionKernel:
+    """What the paged-pool kernels share: the shape rule their library exports
+    (`<entry>_supports`), the KV dtypes they read, the pool checks and their status codes."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
-        fn = library.paged_decode_attention
-        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        fn.argtypes = [p, p, p, i32, i64, p, i64, p, p, i32, i32, i32, i32, ctypes.c_float, p, i32]
-        fn.restype = i32
+    _what: str
+
+    def __init__(self, library: ctypes.CDLL, entry: str, argtypes: list) -> None:
+        fn = getattr(library, entry)
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int
         self._fn = fn
-        self._supports = library.paged_decode_supports
-        self._supports.argtypes = [i32, i32, i32]
-        self._supports.restype = i32
+        self._supports = getattr(library, f"{entry.removesuffix('_attention')}_supports")
+        self._supports.argtypes = [ctypes.c_int] * 3
+        self._supports.restype = ctypes.c_int
 
     def supports_shape(self, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         """Whether the kernel is specialised for this query group and head dim."""
@@ -118,6 +122,38 @@ class PagedDecodeKernel:
     @staticmethod
     def supports(kv_dtype: torch.dtype, device: torch.device) -> bool:
         return device.type == "cpu" and kv_dtype in _KV_DTYPES
+
+    @staticmethod
+    def _check_pool(
+        k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor
+    ) -> None:
+        _, _, head_dim = k_cache.shape
+        assert k_cache.dtype == v_cache.dtype and k_cache.stride() == v_cache.stride()
+        assert k_cache.stride(2) == 1 and k_cache.stride(1) == head_dim
+        assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1
+
+    def _raise_for(self, status: int, num_heads: int, kv_heads: int, head_dim: int) -> None:
+        if status == 2:
+            raise ValueError(
+                f"{self._what}: no kernel for {num_heads} query heads over "
+                f"{kv_heads} KV heads of dim {head_dim}"
+            )
+        if status != 0:
+            raise MemoryError(f"{self._what}: scratch allocation failed")
+
+
+_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+class PagedDecodeKernel(_PagedAttentionKernel):
+    """Decode attention over the paged pool: `__call__` returns float32 [B, H * D]."""
+
+    _what = "paged decode attention"
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        p, i64, i32 = _P, _I64, _I32
+        argtypes = [p, p, p, i32, i64, p, i64, p, p, i32, i32, i32, i32, ctypes.c_float, p, i32]
+        super().__init__(library, "paged_decode_attention", argtypes)
 
     def __call__(
         self,
@@ -132,9 +168,7 @@ class PagedDecodeKernel:
     ) -> torch.Tensor:
         batch = q.shape[0]
         _, kv_heads, head_dim = k_cache.shape
-        assert k_cache.dtype == v_cache.dtype and k_cache.stride() == v_cache.stride()
-        assert k_cache.stride(2) == 1 and k_cache.stride(1) == head_dim
-        assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1
+        self._check_pool(k_cache, v_cache, req_to_token)
         q32 = q.reshape(batch, num_heads * head_dim).to(torch.float32).contiguous()
         pool_rows = pool_rows.to(torch.int64).contiguous()
         seq_lens = seq_lens.to(torch.int64).contiguous()
@@ -157,13 +191,62 @@ class PagedDecodeKernel:
             out.data_ptr(),
             torch.get_num_threads(),
         )
-        if status == 2:
-            raise ValueError(
-                f"paged decode attention: no kernel for {num_heads} query heads over "
-                f"{kv_heads} KV heads of dim {head_dim}"
-            )
-        if status != 0:
-            raise MemoryError("paged decode attention: scratch allocation failed")
+        self._raise_for(status, num_heads, kv_heads, head_dim)
+        return out
+
+
+class PagedExtendKernel(_PagedAttentionKernel):
+    """Extend attention over the paged pool, bottom-right causal over each request's prefix:
+    `__call__` returns float32 [T, H * D], T = the sum of `extend_lens`."""
+
+    _what = "paged extend attention"
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        p, i64, i32 = _P, _I64, _I32
+        argtypes = [
+            p, p, p, i32, i64, p, i64, p, p, p, i32, i32, i32, i32, ctypes.c_float, p, i32
+        ]  # fmt: skip
+        super().__init__(library, "paged_extend_attention", argtypes)
+
+    def __call__(
+        self,
+        q: torch.Tensor,  # [T, H * D]; rounded to the KV dtype first, as torch_native does
+        k_cache: torch.Tensor,  # [slots, Hkv, D], float32 or bfloat16
+        v_cache: torch.Tensor,
+        req_to_token: torch.Tensor,  # int32 [rows, max_context]
+        pool_rows: torch.Tensor,  # int64 [B], contiguous
+        prefix_lens: torch.Tensor,  # int64 [B], contiguous
+        extend_lens: torch.Tensor,  # int64 [B], contiguous; sums to T
+        num_heads: int,
+        scale: float,
+    ) -> torch.Tensor:
+        tokens = q.shape[0]
+        _, kv_heads, head_dim = k_cache.shape
+        self._check_pool(k_cache, v_cache, req_to_token)
+        for lens in (pool_rows, prefix_lens, extend_lens):
+            assert lens.dtype == torch.int64 and lens.is_contiguous()
+        q32 = q.reshape(tokens, num_heads * head_dim).to(k_cache.dtype).float().contiguous()
+        out = torch.empty(tokens, num_heads * head_dim, dtype=torch.float32)
+        status = self._fn(
+            q32.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            _KV_DTYPES[k_cache.dtype],
+            k_cache.stride(0),
+            req_to_token.data_ptr(),
+            req_to_token.stride(0),
+            pool_rows.data_ptr(),
+            prefix_lens.data_ptr(),
+            extend_lens.data_ptr(),
+            pool_rows.shape[0],
+            num_heads,
+            kv_heads,
+            head_dim,
+            scale,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        self._raise_for(status, num_heads, kv_heads, head_dim)
         return out
 
 
@@ -183,6 +266,12 @@ def _load(source: str, wrapper: Callable[[ctypes.CDLL], T], what: str) -> T | No
 def paged_decode_kernel() -> PagedDecodeKernel | None:
     """The compiled kernel, or None (logged once, with why) where it cannot be built."""
     return _load("paged_decode.c", PagedDecodeKernel, "CPU decode kernel")
+
+
+@functools.cache
+def paged_extend_kernel() -> PagedExtendKernel | None:
+    """The compiled kernel, or None (logged once, with why) where it cannot be built."""
+    return _load("paged_extend.c", PagedExtendKernel, "CPU extend kernel")
 
 
 _LAYER_DTYPES = {torch.float32: 0, torch.bfloat16: 1}

@@ -15,7 +15,7 @@ K/V are never repeated. Decode sorts requests by length into a few buckets and r
 batched matmuls per bucket over a padded `[b, max_len]` gather, staged across the steps of
 one batch (`torch_native_decode.py`), padding pointing at slot 0 and masked out (slot 0 must
 hold finite values); there is no per-request loop. The `cpu` backend (`cpu_backend.py`)
-reuses this extend and replaces this decode with a compiled kernel.
+replaces both with compiled kernels where they can run.
 """
 
 from __future__ import annotations
@@ -111,8 +111,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         assert pool is not None, "forward_batch.req_to_token_pool is required"
         return pool.req_to_token
 
-    def _plan_extend(self, forward_batch: ForwardBatch) -> ExtendMetadata:
-        req_to_token = self._req_to_token(forward_batch)
+    @staticmethod
+    def _extend_lens(forward_batch: ForwardBatch) -> tuple[list[int], list[int]]:
+        """(prefix_lens, extend_lens) of an extend batch, per request, as Python ints."""
         prefix_lens = forward_batch.extend_prefix_lens_cpu
         extend_lens = forward_batch.extend_seq_lens_cpu
         if prefix_lens is None:
@@ -121,6 +122,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         if extend_lens is None:
             assert forward_batch.extend_seq_lens is not None
             extend_lens = forward_batch.extend_seq_lens.tolist()
+        return list(prefix_lens), list(extend_lens)
+
+    def _plan_extend(self, forward_batch: ForwardBatch) -> ExtendMetadata:
+        req_to_token = self._req_to_token(forward_batch)
+        prefix_lens, extend_lens = self._extend_lens(forward_batch)
         pool_rows = forward_batch.req_pool_indices.tolist()
         device = req_to_token.device
 

@@ -1,4 +1,5 @@
-"""The cpu backend (compiled paged-decode kernel) against a float64 reference and torch_native."""
+"""The cpu backend (compiled paged decode and extend kernels) against a float64 reference and
+torch_native."""
 
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ from srt.model_executor.forward_batch import ForwardMode
 from tests.attention.test_torch_native_backend import TOL, Harness
 
 KERNEL = cpu_kernels.paged_decode_kernel()
-needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the kernel cannot build")
+EXTEND_KERNEL = cpu_kernels.paged_extend_kernel()
+needs_kernel = pytest.mark.skipif(
+    KERNEL is None or EXTEND_KERNEL is None, reason="no C compiler: the kernels cannot build"
+)
 
 
 def cpu_harness(num_heads: int, num_kv_heads: int, dtype: torch.dtype, head_dim: int = 64, **kw):
@@ -57,7 +61,7 @@ def test_page_size_16_and_mixed_batches():
     h = cpu_harness(9, 3, torch.float32, page_size=16)
     h.step([(0, 40), (1, 3)])
     assert h.step([(0, 1), (1, 1)]) < TOL[torch.float32]
-    mixed = [(0, 1), (1, 6), (2, 20)]  # extend batches run torch_native's path
+    mixed = [(0, 1), (1, 6), (2, 20)]  # a decode token and two extends, one extend call
     assert h.step(mixed, mode=ForwardMode.MIXED) < TOL[torch.float32]
     assert h.step([(0, 1), (1, 1), (2, 1)]) < TOL[torch.float32]
 
@@ -85,33 +89,39 @@ def test_decode_equals_torch_native(dtype):
 
 @needs_kernel
 def test_unsupported_shapes_fall_back_to_torch(caplog):
-    """A head dim or query group the kernel is not built for decodes through torch_native."""
+    """A head dim or query group a kernel is not built for runs through torch_native."""
     for heads, kv_heads, head_dim in [(4, 2, 16), (18, 1, 64)]:
         with caplog.at_level(logging.WARNING, logger="attention.cpu_backend"):
             h = cpu_harness(heads, kv_heads, torch.float32, head_dim)
         assert not h.builder.backend.uses_kernel
         assert "decode uses the torch path" in caplog.text
+        # The extend kernel takes any query group; head dim 16 is not one it is built for.
+        assert h.builder.backend.uses_extend_kernel == (head_dim == 64)
         h.step([(0, 5), (1, 9)])
         assert h.step([(0, 1), (1, 1)]) < TOL[torch.float32]
         caplog.clear()
 
 
 def test_build_failure_falls_back(monkeypatch, tmp_path, caplog):
-    """No usable compiler: the kernel is None with the reason logged, and decode still works."""
+    """No usable compiler: the kernels are None with the reason logged; both modes still work."""
     monkeypatch.setenv("RADIXRT_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "/nonexistent/cc")
     monkeypatch.setenv("PATH", str(tmp_path))  # neither gcc nor cc on PATH
-    cpu_kernels.paged_decode_kernel.cache_clear()
+    loaders = (cpu_kernels.paged_decode_kernel, cpu_kernels.paged_extend_kernel)
+    for load in loaders:
+        load.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="attention.cpu_kernels"):
-            assert cpu_kernels.paged_decode_kernel() is None
+            assert all(load() is None for load in loaders)
         assert "no C compiler" in caplog.text
         h = cpu_harness(9, 3, torch.float32)
         assert not h.builder.backend.uses_kernel
-        h.step([(0, 5)])
+        assert not h.builder.backend.uses_extend_kernel
+        assert h.step([(0, 5)]) < TOL[torch.float32]
         assert h.step([(0, 1)]) < TOL[torch.float32]
     finally:
-        cpu_kernels.paged_decode_kernel.cache_clear()
+        for load in loaders:
+            load.cache_clear()
 
 
 @needs_kernel
@@ -148,6 +158,62 @@ def test_kernel_refuses_a_shape_it_has_no_case_for():
             torch.zeros(2, 8, dtype=torch.int32),
             torch.tensor([1]),
             torch.tensor([3]),
+            2,
+            0.125,
+        )
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(4, 4, 64), (9, 3, 64), (8, 1, 64), (18, 1, 64), (8, 2, 128), (3, 3, 128)],
+)
+def test_extend_matches_reference(dtype, num_heads, num_kv_heads, head_dim):
+    """Fresh prompts and extends over cached prefixes, across query blocks (32 new tokens) and
+    key tiles (64 keys), ragged, one token long, rows out of order."""
+    h = cpu_harness(num_heads, num_kv_heads, dtype, head_dim, max_context_len=512)
+    assert h.builder.backend.uses_extend_kernel
+    assert h.step([(0, 5), (1, 1), (2, 70), (3, 33)]) < TOL[dtype]
+    assert h.step([(2, 1), (0, 40), (3, 100), (1, 3), (4, 64)]) < TOL[dtype]
+    assert h.step([(4, 129), (1, 31)]) < TOL[dtype]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extend_equals_torch_native(dtype):
+    """Same pool, same batch, prefill-sized: the kernel's output equals torch_native's."""
+    gen = torch.Generator().manual_seed(11)
+    h = cpu_harness(9, 3, dtype, page_size=16, num_slots=4096, max_context_len=1024)
+    h.step([(0, 300), (1, 17)])
+    new = [(0, 260), (1, 500), (2, 1), (3, 96)]
+    batch = h.builder.build([(rid, [0] * n) for rid, n in new])
+    tokens = sum(n for _, n in new)
+    q = torch.randn(tokens, 9 * 64, generator=gen).to(dtype)
+    k = torch.randn(tokens, 3 * 64, generator=gen).to(dtype)
+    v = torch.randn(tokens, 3 * 64, generator=gen).to(dtype)
+    layer = h.layers[0]
+    got = layer(q, k, v, batch)
+    native = TorchNativeAttnBackend()
+    batch.attn_backend = native
+    native.init_forward_metadata(batch)
+    want = layer(q, k, v, batch, save_kv_cache=False)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@needs_kernel
+def test_extend_kernel_refuses_a_shape_it_has_no_case_for():
+    k_cache = torch.zeros(8, 1, 32)
+    lens = torch.tensor([0]), torch.tensor([2])
+    with pytest.raises(ValueError, match="no kernel for 2 query heads over 1 KV heads of dim 32"):
+        EXTEND_KERNEL(
+            torch.zeros(2, 64),
+            k_cache,
+            k_cache.clone(),
+            torch.zeros(2, 8, dtype=torch.int32),
+            torch.tensor([1]),
+            *lens,
             2,
             0.125,
         )
