@@ -228,7 +228,10 @@ def plot(names: tuple[str, str], results: tuple[dict, dict], out_dir: Path) -> l
 
 
 def build_ab_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    # No abbreviations: bench_serving's own flags (--backend) pass through, not as --backend-a.
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--preset", choices=["overlap", "radix", "tp", "vllm"], default=None)
     p.add_argument("--server-args", default="", help="launch_server args for both RadixRT sides")
     p.add_argument("--a-args", default="", help="extra args for side A")

@@ -38,3 +38,12 @@ def test_ab_radix_preset(tmp_path) -> None:
     for png in ("ttft_cdf.png", "throughput.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "server-radix-on.log").exists()
+
+
+@pytest.mark.parametrize("flag", ["--backend", "--backend=openai"])
+def test_bench_serving_flags_pass_through_unabbreviated(flag: str) -> None:
+    """`--backend` is bench_serving's, not an abbreviation of ab's --backend-a/--backend-b."""
+    args = [flag, "openai"] if "=" not in flag else [flag]
+    ab_args, rest = ab.build_ab_parser().parse_known_args(["--preset", "vllm", *args])
+    assert ab_args.backend_a is None and ab_args.backend_b is None
+    assert rest == args
