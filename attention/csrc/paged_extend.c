@@ -16,11 +16,13 @@
  * position (bottom-right causal); its K/V are already in the pool. One work item is
  * (request, KV head, block of up to QB new tokens): its G * QB query rows (the G query heads
  * of the KV head, stacked) go over the keys the block's last token sees, KT keys at a time.
- * A key tile is copied out of the pool once per item (K transposed, both in float32), so
- * the scores and the probability-times-V products are small matrix products over
- * contiguous memory, RB query rows at a time with their accumulators in registers. The
- * softmax is online, in float32 (running max and sum per row); lanes past a row's last
- * visible key are zeroed. Items run longest first, over torch's threads.
+ * The item's queries are stored transposed once (qt[d][row]) and each key tile is copied
+ * out of the pool once (float32, as laid out), so both products are register-blocked
+ * multiply-adds over contiguous memory: scores as st[key][row] (a key's element broadcast
+ * against RV query rows), then probabilities times V (a probability broadcast against a V
+ * row). The softmax is online, in float32, W rows at a time (running max and sum per
+ * row); keys past a row's last visible one get probability 0. Items run longest first,
+ * over torch's threads.
  */
 
 #include <float.h>
@@ -30,14 +32,19 @@
 
 #include "cpu_vec.h"
 
-#define NKV 4       /* vectors of scores per query row in a tile */
-#define KT (NKV * W) /* keys per tile */
-#define QB 32       /* new tokens per work item */
-/* Query rows per register block: RB * NKV accumulators, NKV operands and a broadcast. The
- * most that fit the registers was fastest (AVX-512: 6 of 32 zmm; AVX2: 3 of 16 ymm). */
+#define NKV 4        /* vectors of output columns per row in the V product */
+#define KT 64        /* keys per tile */
+#define QB 32        /* new tokens per work item */
+#define NQV 2        /* query-row vectors per register block of the scores */
+#define RV (NQV * W) /* query rows per register block of the scores; rows pad to this */
+/* Keys per register block of the scores (RK * NQV accumulators), and query rows per
+ * register block of the V product (RB * NKV accumulators): the most that fit the registers,
+ * 32 zmm with AVX-512, 16 ymm with AVX2, with room for the operands. */
 #if W == 16
+#define RK 8
 #define RB 6
 #else
+#define RK 4
 #define RB 3
 #endif
 
@@ -51,103 +58,119 @@ static int longest_first(const void *x, const void *y) {
     return (a < b) - (a > b);
 }
 
-/* Rows [0, tn) of a tile: head h of the tokens at slots[0..tn); rows past tn are zero.
- * K goes in transposed (kt[d][t]), V as is (vt[t][d]). */
+/* Lanes of x where `pick` is set, of y elsewhere. */
+static inline vf select_lanes(vi pick, vf x, vf y) {
+    vu xb, yb;
+    memcpy(&xb, &x, sizeof x);
+    memcpy(&yb, &y, sizeof y);
+    xb = (xb & (vu)pick) | (yb & ~(vu)pick);
+    memcpy(&x, &xb, sizeof x);
+    return x;
+}
+
+static inline vf max_lanes(vf x, vf y) { return select_lanes(x > y, x, y); }
+
+/* Rows [0, tn) of a tile in float32: head h of the tokens at slots[0..tn), K into kb[t][d]
+ * and V into vb[t][d]; rows tn..KT are zero. */
 static void load_tiles(const void *k_cache, const void *v_cache, int kv_bf16,
                        int64_t slot_stride, const int32_t *slots, int tn, int h, int D,
-                       float *kt, float *vt) {
+                       float *kb, float *vb) {
     for (int t = 0; t < tn; t++) {
         const int64_t base = (int64_t)slots[t] * slot_stride + (int64_t)h * D;
-        float *vrow = vt + (int64_t)t * D;
+        float *krow = kb + (int64_t)t * D, *vrow = vb + (int64_t)t * D;
         if (kv_bf16) {
             const uint16_t *k = (const uint16_t *)k_cache + base;
             const uint16_t *v = (const uint16_t *)v_cache + base;
-            for (int d = 0; d < D; d++) kt[d * KT + t] = bf16_to_f32(k[d]);
-            for (int c = 0; c < D; c += W) store_f32(vrow + c, load_bf16(v + c));
+            for (int c = 0; c < D; c += W) {
+                store_f32(krow + c, load_bf16(k + c));
+                store_f32(vrow + c, load_bf16(v + c));
+            }
         } else {
-            const float *k = (const float *)k_cache + base;
-            const float *v = (const float *)v_cache + base;
-            for (int d = 0; d < D; d++) kt[d * KT + t] = k[d];
-            memcpy(vrow, v, sizeof(float) * D);
+            memcpy(krow, (const float *)k_cache + base, sizeof(float) * D);
+            memcpy(vrow, (const float *)v_cache + base, sizeof(float) * D);
         }
     }
-    for (int t = tn; t < KT; t++) {
-        for (int d = 0; d < D; d++) kt[d * KT + t] = 0.f;
-        memset(vt + (int64_t)t * D, 0, sizeof(float) * D);
-    }
+    memset(kb + (int64_t)tn * D, 0, sizeof(float) * (size_t)(KT - tn) * D);
+    memset(vb + (int64_t)tn * D, 0, sizeof(float) * (size_t)(KT - tn) * D);
 }
 
-/* s[r][0..KT) = qs[r] . K tile, for RB rows starting at qs (row stride D). */
-static inline void tile_scores(const float *qs, const float *kt, int D, float *s) {
-    vf acc[RB][NKV];
-    for (int r = 0; r < RB; r++)
-        for (int c = 0; c < NKV; c++) acc[r][c] = (vf){0};
+/* st[j][r] = K[j] . qt[.][r] for RK keys from kb (row stride D) and RV query rows of the
+ * transposed queries qt (row stride rows); scores go to st (row stride rows). */
+static inline void tile_scores(const float *qt, int rows, const float *kb, int D, float *st) {
+    vf acc[RK][NQV];
+    for (int j = 0; j < RK; j++)
+        for (int c = 0; c < NQV; c++) acc[j][c] = (vf){0};
     for (int d = 0; d < D; d++) {
-        vf k[NKV];
-        for (int c = 0; c < NKV; c++) k[c] = load_f32(kt + d * KT + c * W);
-        for (int r = 0; r < RB; r++) {
-            const float x = qs[(int64_t)r * D + d];
-            for (int c = 0; c < NKV; c++) acc[r][c] += x * k[c];
+        vf q[NQV];
+        for (int c = 0; c < NQV; c++) q[c] = load_f32(qt + (int64_t)d * rows + c * W);
+        for (int j = 0; j < RK; j++) {
+            const float x = kb[(int64_t)j * D + d];
+            for (int c = 0; c < NQV; c++) acc[j][c] += x * q[c];
         }
     }
-    for (int r = 0; r < RB; r++)
-        for (int c = 0; c < NKV; c++) store_f32(s + r * KT + c * W, acc[r][c]);
+    for (int j = 0; j < RK; j++)
+        for (int c = 0; c < NQV; c++) store_f32(st + (int64_t)j * rows + c * W, acc[j][c]);
 }
 
-/* o[r] = o[r] * alpha[r] + p[r][0..nj) . V tile, for RB rows, NKV * W columns at col. */
-static inline void tile_values(float *o, const float *p, const float *alpha, const float *vt,
-                               int D, int col, int nj) {
-    vf acc[RB][NKV];
-    for (int r = 0; r < RB; r++)
-        for (int c = 0; c < NKV; c++) acc[r][c] = load_f32(o + (int64_t)r * D + col + c * W) * alpha[r];
+/* o[r] = o[r] * alpha[r] + sum_j pt[j][r] vb[j], for NR rows (o row stride D, pt row stride
+ * rows), over NKV * W columns from col. */
+static inline __attribute__((always_inline)) void tile_values(float *o, const float *pt,
+                                                              int rows, const float *alpha,
+                                                              const float *vb, int D, int col,
+                                                              int nj, const int NR) {
+    vf acc[NR][NKV];
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < NKV; c++)
+            acc[r][c] = load_f32(o + (int64_t)r * D + col + c * W) * alpha[r];
     for (int j = 0; j < nj; j++) {
         vf v[NKV];
-        for (int c = 0; c < NKV; c++) v[c] = load_f32(vt + (int64_t)j * D + col + c * W);
-        for (int r = 0; r < RB; r++) {
-            const float x = p[r * KT + j];
+        for (int c = 0; c < NKV; c++) v[c] = load_f32(vb + (int64_t)j * D + col + c * W);
+        for (int r = 0; r < NR; r++) {
+            const float x = pt[(int64_t)j * rows + r];
             for (int c = 0; c < NKV; c++) acc[r][c] += x * v[c];
         }
     }
-    for (int r = 0; r < RB; r++)
+    for (int r = 0; r < NR; r++)
         for (int c = 0; c < NKV; c++) store_f32(o + (int64_t)r * D + col + c * W, acc[r][c]);
 }
 
-/* Scratch of one thread, for items of at most `rows` (a multiple of RB) query rows. */
+/* Scratch of one thread, for items of at most `rows` (a multiple of RV) query rows. */
 typedef struct {
-    float *q, *o, *s, *kt, *vt, *m, *l, *alpha;
-    int64_t *last_key;
-    int *valid;
+    float *qt, *o, *st, *kb, *vb, *m, *l, *alpha;
+    int32_t *last_key;
 } scratch_t;
 
 static int scratch_alloc(scratch_t *w, int rows, int D) {
     const size_t floats = (size_t)rows * D * 2 + (size_t)rows * KT + (size_t)D * KT * 2 +
                           (size_t)rows * 3;
     float *f = (float *)malloc(sizeof(float) * floats);
-    int64_t *last = (int64_t *)malloc(sizeof(int64_t) * rows);
-    int *valid = (int *)malloc(sizeof(int) * rows);
-    if (f == NULL || last == NULL || valid == NULL) {
+    int32_t *last = (int32_t *)malloc(sizeof(int32_t) * rows);
+    if (f == NULL || last == NULL) {
         free(f);
         free(last);
-        free(valid);
         return 1;
     }
-    w->q = f;
-    w->o = w->q + (size_t)rows * D;
-    w->s = w->o + (size_t)rows * D;
-    w->kt = w->s + (size_t)rows * KT;
-    w->vt = w->kt + (size_t)D * KT;
-    w->m = w->vt + (size_t)KT * D;
+    w->qt = f;
+    w->o = w->qt + (size_t)rows * D;
+    w->st = w->o + (size_t)rows * D;
+    w->kb = w->st + (size_t)rows * KT;
+    w->vb = w->kb + (size_t)D * KT;
+    w->m = w->vb + (size_t)KT * D;
     w->l = w->m + rows;
     w->alpha = w->l + rows;
     w->last_key = last;
-    w->valid = valid;
     return 0;
 }
 
 static void scratch_free(scratch_t *w) {
-    free(w->q);
+    free(w->qt);
     free(w->last_key);
-    free(w->valid);
+}
+
+static int32_t max_last_key(const int32_t *last_key, int n) {
+    int32_t best = -1;
+    for (int r = 0; r < n; r++) best = last_key[r] > best ? last_key[r] : best;
+    return best;
 }
 
 static void run_item(const item_t *it, const float *q, const void *k_cache, const void *v_cache,
@@ -155,70 +178,79 @@ static void run_item(const item_t *it, const float *q, const void *k_cache, cons
                      int64_t prefix_len, int H, int G, int D, float scale, float *out,
                      scratch_t *w) {
     const int rows = G * it->nq;
-    const int rows_pad = (rows + RB - 1) / RB * RB;
-    /* Row r = g * nq + t: query head h * G + g of new token q0 + t, pre-scaled. Padding
-     * rows are zero queries that see every key; they are computed and dropped. */
-    for (int r = 0; r < rows_pad; r++) {
-        float *dst = w->q + (int64_t)r * D;
+    const int rp = (rows + RV - 1) / RV * RV; /* padded rows: the row stride of qt and st */
+    /* Row r = g * nq + t: query head h * G + g of new token q0 + t, pre-scaled and stored
+     * transposed (qt[d][r]). Padding rows are zero queries that see every key; they are
+     * computed and dropped. */
+    for (int r = 0; r < rp; r++) {
         w->m[r] = -FLT_MAX;
         w->l[r] = 0.f;
         memset(w->o + (int64_t)r * D, 0, sizeof(float) * D);
         if (r >= rows) {
-            memset(dst, 0, sizeof(float) * D);
-            w->last_key[r] = it->num_keys - 1;
+            for (int d = 0; d < D; d++) w->qt[(int64_t)d * rp + r] = 0.f;
+            w->last_key[r] = (int32_t)(it->num_keys - 1);
             continue;
         }
         const int g = r / it->nq, t = r % it->nq;
         const float *src = q + ((q_start + it->q0 + t) * H + (int64_t)it->h * G + g) * D;
-        for (int d = 0; d < D; d++) dst[d] = src[d] * scale;
-        w->last_key[r] = prefix_len + it->q0 + t;
+        for (int d = 0; d < D; d++) w->qt[(int64_t)d * rp + r] = src[d] * scale;
+        w->last_key[r] = (int32_t)(prefix_len + it->q0 + t);
     }
     for (int64_t k0 = 0; k0 < it->num_keys; k0 += KT) {
         const int tn = (int)(it->num_keys - k0 < KT ? it->num_keys - k0 : KT);
-        load_tiles(k_cache, v_cache, kv_bf16, slot_stride, slots + k0, tn, it->h, D, w->kt,
-                   w->vt);
-        for (int r0 = 0; r0 < rows_pad; r0 += RB) {
-            int64_t block_last = -1;
-            for (int r = r0; r < r0 + RB; r++)
-                block_last = w->last_key[r] > block_last ? w->last_key[r] : block_last;
-            if (block_last >= k0) tile_scores(w->q + (int64_t)r0 * D, w->kt, D, w->s + r0 * KT);
+        load_tiles(k_cache, v_cache, kv_bf16, slot_stride, slots + k0, tn, it->h, D, w->kb,
+                   w->vb);
+        for (int r0 = 0; r0 < rp; r0 += RV) {
+            /* Key blocks past every row's last visible key are left out (masked below). */
+            const int64_t seen = max_last_key(w->last_key + r0, RV) - k0 + 1;
+            const int nk = seen < tn ? (int)seen : tn;
+            for (int j0 = 0; j0 < nk; j0 += RK)
+                tile_scores(w->qt + r0, rp, w->kb + (int64_t)j0 * D, D,
+                            w->st + (int64_t)j0 * rp + r0);
         }
-        /* Online softmax over the row's visible lanes; the others become 0. */
-        for (int r = 0; r < rows_pad; r++) {
-            float *s = w->s + r * KT;
-            int64_t visible = w->last_key[r] - k0 + 1;
-            const int nv = visible <= 0 ? 0 : (visible < tn ? (int)visible : tn);
-            w->valid[r] = nv;
-            if (nv == 0) {
-                w->alpha[r] = 1.f;
-                memset(s, 0, sizeof(float) * KT);
-                continue;
+        /* Online softmax, W rows at a time; keys past a row's last visible one become 0. */
+        for (int r0 = 0; r0 < rp; r0 += W) {
+            vi last;
+            memcpy(&last, w->last_key + r0, sizeof last);
+            vf m = load_f32(w->m + r0), tile_max = (vf){0} - FLT_MAX;
+            for (int j = 0; j < tn; j++) {
+                const vi live = (vi){0} + (int32_t)(k0 + j) <= last;
+                const vf s = load_f32(w->st + (int64_t)j * rp + r0);
+                tile_max = max_lanes(select_lanes(live, s, (vf){0} - FLT_MAX), tile_max);
             }
-            float tile_max = -FLT_MAX;
-            for (int j = 0; j < nv; j++) tile_max = s[j] > tile_max ? s[j] : tile_max;
-            const float new_m = tile_max > w->m[r] ? tile_max : w->m[r];
+            const vf new_m = max_lanes(m, tile_max);
             vf sum = {0};
-            for (int c = 0; c < NKV; c++) {
-                vf p = exp_nonpos_v(load_f32(s + c * W) - new_m);
-                vi live = LANES < nv - c * W;
-                vu bits;
-                memcpy(&bits, &p, sizeof p);
-                bits &= (vu)live;
-                memcpy(&p, &bits, sizeof p);
-                store_f32(s + c * W, p);
+            for (int j = 0; j < tn; j++) {
+                const vi live = (vi){0} + (int32_t)(k0 + j) <= last;
+                float *sj = w->st + (int64_t)j * rp + r0;
+                const vf p = select_lanes(live, exp_nonpos_v(load_f32(sj) - new_m), (vf){0});
+                store_f32(sj, p);
                 sum += p;
             }
-            w->alpha[r] = exp_nonpos(w->m[r] - new_m);
-            w->l[r] = w->l[r] * w->alpha[r] + hsum(sum);
-            w->m[r] = new_m;
+            const vf alpha = exp_nonpos_v(m - new_m);
+            store_f32(w->alpha + r0, alpha);
+            store_f32(w->l + r0, load_f32(w->l + r0) * alpha + sum);
+            store_f32(w->m + r0, new_m);
         }
-        for (int r0 = 0; r0 < rows_pad; r0 += RB) {
-            int nj = 0;
-            for (int r = r0; r < r0 + RB; r++) nj = w->valid[r] > nj ? w->valid[r] : nj;
-            if (nj == 0) continue;
-            for (int col = 0; col < D; col += KT)
-                tile_values(w->o + (int64_t)r0 * D, w->s + r0 * KT, w->alpha + r0, w->vt, D,
-                            col, nj);
+        for (int r0 = 0; r0 < rp; r0 += RB) {
+            const int nr = rp - r0 < RB ? rp - r0 : RB;
+            const int64_t seen = max_last_key(w->last_key + r0, nr) - k0 + 1;
+            const int nj = seen <= 0 ? 0 : (seen < tn ? (int)seen : tn);
+            if (nj == 0) continue; /* alpha is 1 and every p is 0 for these rows */
+            for (int col = 0; col < D; col += NKV * W) {
+                float *o = w->o + (int64_t)r0 * D;
+                const float *pt = w->st + r0, *alpha = w->alpha + r0;
+                switch (nr) {
+                    case RB: tile_values(o, pt, rp, alpha, w->vb, D, col, nj, RB); break;
+                    case 1: tile_values(o, pt, rp, alpha, w->vb, D, col, nj, 1); break;
+                    case 2: tile_values(o, pt, rp, alpha, w->vb, D, col, nj, 2); break;
+#if RB > 3
+                    case 3: tile_values(o, pt, rp, alpha, w->vb, D, col, nj, 3); break;
+                    case 4: tile_values(o, pt, rp, alpha, w->vb, D, col, nj, 4); break;
+                    case 5: tile_values(o, pt, rp, alpha, w->vb, D, col, nj, 5); break;
+#endif
+                }
+            }
         }
     }
     for (int r = 0; r < rows; r++) {
@@ -233,7 +265,7 @@ static void run_item(const item_t *it, const float *q, const void *k_cache, cons
 /* Head dims that are whole multiples of a tile's columns (64 and 128 on every build). */
 int paged_extend_supports(int H, int Hkv, int D) {
     if (Hkv <= 0 || H % Hkv != 0) return 0;
-    return (D == 64 || D == 128) && D % KT == 0;
+    return (D == 64 || D == 128) && D % (NKV * W) == 0;
 }
 
 /* Returns 0 on success, 1 when scratch memory could not be allocated, 2 for a shape
@@ -266,7 +298,7 @@ int paged_extend_attention(const float *q, const void *k_cache, const void *v_ca
     }
     qsort(items, (size_t)num_items, sizeof(item_t), longest_first);
 
-    const int rows_max = (G * QB + RB - 1) / RB * RB;
+    const int rows_max = (G * QB + RV - 1) / RV * RV;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
