@@ -107,22 +107,11 @@ class CpuAttnBackend(TorchNativeAttnBackend):
     ) -> torch.Tensor:
         if self._extend_kernel is None:
             return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
-        if save_kv_cache:
-            self.save_kv(layer, forward_batch, k, v)
-        k_cache, v_cache = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         lens: ExtendLens = forward_batch.attn_metadata
-        out = self._extend_kernel(
-            q,
-            k_cache,
-            v_cache,
-            self._req_to_token(forward_batch),
-            lens.pool_rows,
-            lens.prefix_lens,
-            lens.extend_lens,
-            layer.num_heads,
-            layer.scaling,
+        per_request = (lens.pool_rows, lens.prefix_lens, lens.extend_lens)
+        return self._through(
+            self._extend_kernel, per_request, q, k, v, layer, forward_batch, save_kv_cache
         )
-        return out.to(q.dtype)
 
     def forward_decode(
         self,
@@ -135,18 +124,29 @@ class CpuAttnBackend(TorchNativeAttnBackend):
     ) -> torch.Tensor:
         if self._kernel is None:
             return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        per_request = (forward_batch.req_pool_indices, forward_batch.seq_lens)
+        return self._through(
+            self._kernel, per_request, q, k, v, layer, forward_batch, save_kv_cache
+        )
+
+    def _through(
+        self,
+        kernel: PagedDecodeKernel | PagedExtendKernel,
+        per_request: tuple[torch.Tensor, ...],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool,
+    ) -> torch.Tensor:
+        """Save the new K/V, then run `kernel` over the pool; the output in q's dtype."""
         if save_kv_cache:
             self.save_kv(layer, forward_batch, k, v)
         k_cache, v_cache = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        out = self._kernel(
-            q,
-            k_cache,
-            v_cache,
-            self._req_to_token(forward_batch),
-            forward_batch.req_pool_indices,
-            forward_batch.seq_lens,
-            layer.num_heads,
-            layer.scaling,
+        req_to_token = self._req_to_token(forward_batch)
+        out = kernel(
+            q, k_cache, v_cache, req_to_token, *per_request, layer.num_heads, layer.scaling
         )
         return out.to(q.dtype)
 

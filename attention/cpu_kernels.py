@@ -102,7 +102,8 @@ def build_library(source: str) -> Path:
 
 class _PagedAttentionKernel:
     """What the paged-pool kernels share: the shape rule their library exports
-    (`<entry>_supports`), the KV dtypes they read, the pool checks and their status codes."""
+    (`<entry>_supports`), the KV dtypes they read, and a call's common arguments, checks and
+    status codes (`_run`)."""
 
     _what: str
 
@@ -123,16 +124,41 @@ class _PagedAttentionKernel:
     def supports(kv_dtype: torch.dtype, device: torch.device) -> bool:
         return device.type == "cpu" and kv_dtype in _KV_DTYPES
 
-    @staticmethod
-    def _check_pool(
-        k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor
-    ) -> None:
-        _, _, head_dim = k_cache.shape
+    def _run(
+        self,
+        q32: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        req_to_token: torch.Tensor,
+        per_request: tuple[torch.Tensor, ...],
+        num_heads: int,
+        scale: float,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """Call the kernel with the arguments both share, around the int64 per-request arrays
+        (pool rows first); returns `out`, or raises for the kernel's error status."""
+        _, kv_heads, head_dim = k_cache.shape
         assert k_cache.dtype == v_cache.dtype and k_cache.stride() == v_cache.stride()
         assert k_cache.stride(2) == 1 and k_cache.stride(1) == head_dim
         assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1
-
-    def _raise_for(self, status: int, num_heads: int, kv_heads: int, head_dim: int) -> None:
+        assert all(t.dtype == torch.int64 and t.is_contiguous() for t in per_request)
+        status = self._fn(
+            q32.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            _KV_DTYPES[k_cache.dtype],
+            k_cache.stride(0),
+            req_to_token.data_ptr(),
+            req_to_token.stride(0),
+            *(t.data_ptr() for t in per_request),
+            per_request[0].shape[0],
+            num_heads,
+            kv_heads,
+            head_dim,
+            scale,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
         if status == 2:
             raise ValueError(
                 f"{self._what}: no kernel for {num_heads} query heads over "
@@ -140,6 +166,7 @@ class _PagedAttentionKernel:
             )
         if status != 0:
             raise MemoryError(f"{self._what}: scratch allocation failed")
+        return out
 
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -166,33 +193,14 @@ class PagedDecodeKernel(_PagedAttentionKernel):
         num_heads: int,
         scale: float,
     ) -> torch.Tensor:
-        batch = q.shape[0]
-        _, kv_heads, head_dim = k_cache.shape
-        self._check_pool(k_cache, v_cache, req_to_token)
+        batch, head_dim = q.shape[0], k_cache.shape[2]
         q32 = q.reshape(batch, num_heads * head_dim).to(torch.float32).contiguous()
-        pool_rows = pool_rows.to(torch.int64).contiguous()
-        seq_lens = seq_lens.to(torch.int64).contiguous()
-        out = torch.empty(batch, num_heads * head_dim, dtype=torch.float32)
-        status = self._fn(
-            q32.data_ptr(),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            _KV_DTYPES[k_cache.dtype],
-            k_cache.stride(0),
-            req_to_token.data_ptr(),
-            req_to_token.stride(0),
-            pool_rows.data_ptr(),
-            seq_lens.data_ptr(),
-            batch,
-            num_heads,
-            kv_heads,
-            head_dim,
-            scale,
-            out.data_ptr(),
-            torch.get_num_threads(),
+        per_request = (
+            pool_rows.to(torch.int64).contiguous(),
+            seq_lens.to(torch.int64).contiguous(),
         )
-        self._raise_for(status, num_heads, kv_heads, head_dim)
-        return out
+        out = torch.empty(batch, num_heads * head_dim, dtype=torch.float32)
+        return self._run(q32, k_cache, v_cache, req_to_token, per_request, num_heads, scale, out)
 
 
 class PagedExtendKernel(_PagedAttentionKernel):
@@ -220,34 +228,11 @@ class PagedExtendKernel(_PagedAttentionKernel):
         num_heads: int,
         scale: float,
     ) -> torch.Tensor:
-        tokens = q.shape[0]
-        _, kv_heads, head_dim = k_cache.shape
-        self._check_pool(k_cache, v_cache, req_to_token)
-        for lens in (pool_rows, prefix_lens, extend_lens):
-            assert lens.dtype == torch.int64 and lens.is_contiguous()
+        tokens, head_dim = q.shape[0], k_cache.shape[2]
         q32 = q.reshape(tokens, num_heads * head_dim).to(k_cache.dtype).float().contiguous()
+        per_request = (pool_rows, prefix_lens, extend_lens)
         out = torch.empty(tokens, num_heads * head_dim, dtype=torch.float32)
-        status = self._fn(
-            q32.data_ptr(),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            _KV_DTYPES[k_cache.dtype],
-            k_cache.stride(0),
-            req_to_token.data_ptr(),
-            req_to_token.stride(0),
-            pool_rows.data_ptr(),
-            prefix_lens.data_ptr(),
-            extend_lens.data_ptr(),
-            pool_rows.shape[0],
-            num_heads,
-            kv_heads,
-            head_dim,
-            scale,
-            out.data_ptr(),
-            torch.get_num_threads(),
-        )
-        self._raise_for(status, num_heads, kv_heads, head_dim)
-        return out
+        return self._run(q32, k_cache, v_cache, req_to_token, per_request, num_heads, scale, out)
 
 
 def _load(source: str, wrapper: Callable[[ctypes.CDLL], T], what: str) -> T | None:
