@@ -28,12 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from attention.cpu_kernels import (
-    PagedDecodeKernel,
-    PagedExtendKernel,
-    paged_decode_kernel,
-    paged_extend_kernel,
-)
+from attention.cpu_kernels import PagedAttentionKernel, paged_decode_kernel, paged_extend_kernel
 from attention.torch_native_backend import TorchNativeAttnBackend
 
 if TYPE_CHECKING:
@@ -41,7 +36,7 @@ if TYPE_CHECKING:
     from srt.model_executor.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
-K = TypeVar("K", PagedDecodeKernel, PagedExtendKernel)
+K = TypeVar("K", bound=PagedAttentionKernel)
 
 
 @dataclass(slots=True)
@@ -131,7 +126,7 @@ class CpuAttnBackend(TorchNativeAttnBackend):
 
     def _through(
         self,
-        kernel: PagedDecodeKernel | PagedExtendKernel,
+        kernel: PagedAttentionKernel,
         per_request: tuple[torch.Tensor, ...],
         q: torch.Tensor,
         k: torch.Tensor,
@@ -161,7 +156,7 @@ def _usable(
     device: torch.device,
 ) -> K | None:
     """The `mode` kernel if it can run this model here, else None (logged with why)."""
-    if not PagedDecodeKernel.supports(dtype, device):
+    if not PagedAttentionKernel.supports(dtype, device):
         reason = f"a {dtype} KV pool on {device}"
     else:
         kernel = load()  # None, with a logged reason, where it cannot be built

@@ -100,7 +100,7 @@ def build_library(source: str) -> Path:
     return target
 
 
-class _PagedAttentionKernel:
+class PagedAttentionKernel:
     """What the paged-pool kernels share: the shape rule their library exports
     (`<entry>_supports`), the KV dtypes they read, and a call's common arguments, checks and
     status codes (`_run`)."""
@@ -172,7 +172,7 @@ class _PagedAttentionKernel:
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
-class PagedDecodeKernel(_PagedAttentionKernel):
+class PagedDecodeKernel(PagedAttentionKernel):
     """Decode attention over the paged pool: `__call__` returns float32 [B, H * D]."""
 
     _what = "paged decode attention"
@@ -203,7 +203,7 @@ class PagedDecodeKernel(_PagedAttentionKernel):
         return self._run(q32, k_cache, v_cache, req_to_token, per_request, num_heads, scale, out)
 
 
-class PagedExtendKernel(_PagedAttentionKernel):
+class PagedExtendKernel(PagedAttentionKernel):
     """Extend attention over the paged pool, bottom-right causal over each request's prefix:
     `__call__` returns float32 [T, H * D], T = the sum of `extend_lens`."""
 
