@@ -193,7 +193,7 @@ class ServerArgs:
     attention_backend: str = _opt(
         "auto",
         "attention kernels (auto: flashinfer on CUDA with fp16/bf16 when installed, cpu on a "
-        "CPU: a compiled paged-decode kernel over torch_native's extend; torch_native: the "
+        "CPU: compiled decode and extend kernels over the paged pool; torch_native: the "
         "pure-torch reference)",
         _registry_names("attention.registry:ATTENTION_BACKENDS", "auto"),
     )
