@@ -39,6 +39,8 @@ from managers.schedule_batch import GenerationBatchResult, ModelWorkerBatch
 
 # Placeholders name a ring of slots; a batch's slots are reused only many batches later.
 FUTURE_MAP_BATCHES = 8
+# How long exit waits for the forward thread to finish a forward in flight.
+THREAD_JOIN_TIMEOUT_S = 60.0
 
 
 @dataclass(slots=True)
@@ -74,7 +76,10 @@ class OverlapWorker:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         # The thread holds only a weak reference, so a dropped scheduler frees its model and
-        # KV pool; the finalizer then ends the thread.
+        # KV pool; the finalizer then ends the thread. The finalizer also runs at interpreter
+        # exit, and waits for the thread there: a thread that has run torch ops and is still
+        # alive when the interpreter finalizes aborts the process ("terminate called without
+        # an active exception", exit status 134).
         self.thread = threading.Thread(
             target=_forward_loop,
             args=(weakref.ref(self), self.inputs, self.outputs, device),
@@ -82,7 +87,7 @@ class OverlapWorker:
             daemon=True,
         )
         self.thread.start()
-        weakref.finalize(self, self.inputs.put, None)
+        self._finalizer = weakref.finalize(self, _end_thread, self.inputs, self.thread)
 
     def get_memory_pool(self) -> Any:
         return self.worker.get_memory_pool()
@@ -135,6 +140,13 @@ class OverlapWorker:
         future = ids < 0
         if bool(future.any()):
             ids[future] = self.future_map[-ids[future]]
+
+
+def _end_thread(inputs: queue.Queue[Launch | None], thread: threading.Thread) -> None:
+    """Tell the forward thread to stop; wait for it (a forward in flight finishes first)."""
+    inputs.put(None)
+    if thread is not threading.current_thread():
+        thread.join(timeout=THREAD_JOIN_TIMEOUT_S)
 
 
 def _forward_loop(
