@@ -138,7 +138,7 @@ class ServerArgs:
         "eviction order of the radix cache",
         _registry_names("mem_cache.evict_policy:EVICTION_POLICIES"),
     )
-    enable_mixed_chunk: bool = _opt(False, "run decodes together with a prefill chunk")
+    enable_mixed_chunk: bool = _opt(False, "run the running decodes in every prefill batch (MIXED)")
     disable_overlap_schedule: bool = _opt(False, "use the normal (non-overlap) event loop")
     # Tensor parallelism
     tp_size: int = _opt(1, "tensor-parallel ranks (scheduler processes), over all nodes")

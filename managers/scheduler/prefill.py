@@ -4,7 +4,8 @@ The policy (policy.py) matches every waiting request against the tree and orders
 `PrefillAdder` admits requests under the total-token, prefill-token and chunk budgets, the
 total-token budget reserving what running requests may still grow by (`NewTokenRatio`). The
 chunked request, if any, continues first. With `--enable-mixed-chunk` the running decodes
-ride along with a chunk (MIXED).
+ride along with every prefill batch (MIXED), as in SGLang, and their tokens count against
+`--max-prefill-tokens`.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class PrefillPlanner:
             if req.cached_tokens is None:
                 req.cached_tokens = prefix_len  # first admission: what the cache saved
             self.deadlines.admitted(req)
-        if self.mixed_chunk and q.running and q.chunked is not None:
+        if self.mixed_chunk and q.running:
             decodes = self.decode.build(decay=False)
             if decodes is not None:
                 batch.mix(decodes)
@@ -96,7 +97,8 @@ class PrefillPlanner:
             self.kv.available_tokens(),
             q.running,
             self.decode.ratio.value,
-            self.max_prefill_tokens,
+            # Mixed: the running decodes' tokens ride in this batch and count against it.
+            self.max_prefill_tokens - (len(q.running) if self.mixed_chunk else 0),
             self.chunk_size,
             max_new_reqs,
             self.kv.page_size,

@@ -26,7 +26,10 @@ def mixed_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(2, vocab - 1) for _ in range(k)] for k in lengths]
 
 
-def run_engine(model_path: str, prompts: list[list[int]], **args) -> list[list[int]]:
+def run_engine(
+    model_path: str, prompts: list[list[int]], modes: list | None = None, **args
+) -> list[list[int]]:
+    """Greedy outputs of the engine; the forward modes it ran are appended to `modes`."""
     server_args = ServerArgs(
         model_path=model_path,
         dtype="float32",
@@ -35,7 +38,7 @@ def run_engine(model_path: str, prompts: list[list[int]], **args) -> list[list[i
         **args,
     )
     driver = InProcessDriver(server_args)
-    modes = []
+    modes = [] if modes is None else modes
     forward = driver.worker.forward_batch_generation
 
     def recording_forward(mwb):
@@ -46,7 +49,7 @@ def run_engine(model_path: str, prompts: list[list[int]], **args) -> list[list[i
     outs = driver.generate(
         prompts, {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
     )
-    if args.get("chunked_prefill_size") is None:
+    if args.get("chunked_prefill_size") is None and args.get("max_prefill_tokens") is None:
         assert sum(m.is_extend() for m in modes) == 1, "prompts should form one batch"
     driver.scheduler.check_memory()
     return [o["output_ids"] for o in outs]
@@ -75,6 +78,18 @@ def test_tiny_model_page_size_and_chunking_keep_greedy(tiny_model) -> None:
     base = run_engine(str(folder), prompts)
     paged = run_engine(str(folder), prompts, page_size=4, chunked_prefill_size=32)
     assert paged == base
+
+
+def test_tiny_model_mixed_batches_keep_greedy(tiny_model) -> None:
+    """`--enable-mixed-chunk` with a small prefill budget: prompts are admitted a few at a
+    time, each prefill batch carrying the decodes of those already running (MIXED)."""
+    _, folder = tiny_model
+    prompts = mixed_prompts(8, VOCAB, seed=2)
+    base = run_engine(str(folder), prompts)
+    modes: list = []
+    mixed = run_engine(str(folder), prompts, modes, enable_mixed_chunk=True, max_prefill_tokens=64)
+    assert mixed == base
+    assert sum(m.is_mixed() for m in modes) >= 3
 
 
 @pytest.mark.slow

@@ -111,6 +111,24 @@ def test_mixed_chunk_same_tokens() -> None:
     assert_idle_and_clean(driver)
 
 
+def test_mixed_batches_without_chunking() -> None:
+    """As in SGLang, `--enable-mixed-chunk` runs the running decodes with every prefill batch,
+    not only with a chunk; their tokens count against `--max-prefill-tokens` (beyond the
+    first prompt, which is always admitted)."""
+    ps = prompts(8, 25, 29, seed=7)
+    driver = make_driver(max_prefill_tokens=60, enable_mixed_chunk=True)
+    outs = driver.generate(ps, {"max_new_tokens": 12})
+    for p, o in zip(ps, outs, strict=True):
+        assert o["output_ids"] == scripted_output(p, 12)
+    mixed = [c for c in driver.worker.forward_calls if c.forward_mode.is_mixed()]
+    assert len(mixed) >= 3
+    for call in mixed:
+        new = [n for n in call.extend_seq_lens_cpu if n > 1]  # prompts: 25..29 tokens
+        decodes = len(call.extend_seq_lens_cpu) - len(new)
+        assert decodes > 0 and (len(new) == 1 or sum(new) + decodes <= 60)
+    assert_idle_and_clean(driver)
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_retraction_completes_every_request(page_size: int, caplog) -> None:
     ps = prompts(8, 40, 60, seed=5)
