@@ -13,7 +13,7 @@ from attention.cpu_backend import CpuAttnBackend
 from attention.registry import resolve_attention_backend
 from attention.torch_native_backend import TorchNativeAttnBackend
 from srt.model_executor.forward_batch import ForwardMode
-from tests.attention.test_torch_native_backend import TOL, Harness
+from tests.attention.test_torch_native_backend import TOL, Harness, reference_attention
 
 KERNEL = cpu_kernels.paged_decode_kernel()
 EXTEND_KERNEL = cpu_kernels.paged_extend_kernel()
@@ -54,6 +54,57 @@ def test_long_sequence_split_over_threads(dtype):
     assert h.step([(0, 1)]) < TOL[dtype]
     h.step([(1, 700), (2, 5)])
     assert h.step([(0, 1), (1, 1), (2, 1)]) < TOL[dtype]
+
+
+def shared_prefix_batch(dtype, num_heads, num_kv_heads, head_dim, tails, prefixes):
+    """A pool and req_to_token where requests share leading KV slots, as the radix cache
+    leaves them: request i reads prefix `prefixes[i]` = (group, length) of its group's slots,
+    then `tails[i]` slots of its own. Pool rows are assigned out of order."""
+    gen = torch.Generator().manual_seed(7)
+    group_slots: dict[int, torch.Tensor] = {}
+    next_slot, rows = 1, []
+    for (group, length), tail in zip(prefixes, tails, strict=True):
+        if group not in group_slots:
+            group_slots[group] = torch.arange(next_slot, next_slot + 600, dtype=torch.int32)
+            next_slot += 600
+        own = torch.arange(next_slot, next_slot + tail, dtype=torch.int32)
+        next_slot += tail
+        rows.append(torch.cat([group_slots[group][:length], own]))
+    batch = len(rows)
+    pool_rows = torch.randperm(batch + 3, generator=gen)[:batch]
+    req_to_token = torch.zeros(batch + 3, 1024, dtype=torch.int32)
+    for b, row in enumerate(rows):
+        req_to_token[pool_rows[b], : len(row)] = row
+    k_cache = torch.randn(next_slot, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(next_slot, num_kv_heads, head_dim, generator=gen).to(dtype)
+    q = torch.randn(batch, num_heads * head_dim, generator=gen)
+    seq_lens = torch.tensor([len(row) for row in rows], dtype=torch.int64)
+    return q, k_cache, v_cache, req_to_token, pool_rows, seq_lens, rows
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128)])
+def test_decode_over_shared_prefix_slots(dtype, num_heads, num_kv_heads, head_dim):
+    """Rows laid out as the radix cache leaves them: requests whose leading KV slots are the
+    same slots (groups of three over 300 tokens, one member's whole row; of two over 40; a
+    pair over 10), a request alone and an empty row, pool rows out of order. Each output
+    equals the float64 reference over that request's own slots."""
+    prefixes = [(0, 300), (1, 40), (0, 300), (2, 10), (3, 0), (1, 40), (2, 10), (0, 300), (4, 0)]
+    tails = [1, 5, 20, 3, 130, 300, 1, 0, 0]
+    q, k_cache, v_cache, r2t, pool_rows, seq_lens, rows = shared_prefix_batch(
+        dtype, num_heads, num_kv_heads, head_dim, tails, prefixes
+    )
+    scale = head_dim**-0.5
+    out = KERNEL(q, k_cache, v_cache, r2t, pool_rows, seq_lens, num_heads, scale)
+    for b, row in enumerate(rows):
+        got = out[b].view(num_heads, head_dim).double()
+        if len(row) == 0:
+            assert (got == 0).all()
+            continue
+        k, v = k_cache[row.long()], v_cache[row.long()]
+        ref = reference_attention(q[b].view(1, num_heads, head_dim), k, v, len(row) - 1, scale)
+        assert (got - ref[0]).abs().max().item() < 1e-5, b  # float32 math over the same K/V
 
 
 @needs_kernel
