@@ -4,6 +4,8 @@
   paged KV pool in place, one query token per request).
 - `paged_extend_kernel()`: the extend-attention kernel of `csrc/paged_extend.c` (reads the
   pool in place too: many new tokens per request, causal over the cached prefix).
+- `packed_linear_kernel()`: float32 linear layers against a weight packed once at load
+  (`csrc/packed_linear.c`; used by `srt/layers/cpu_packed.py`).
 - `layer_ops_kernel()`: the elementwise layer ops of `csrc/layer_ops.c` (RMSNorm with the
   residual add fused, SiLU-and-mul, RoPE), with the call signatures of the CUDA fused-op
   providers, so `srt/layers/fused_kernels.py` hands them to the layers the same way.
@@ -257,6 +259,64 @@ def paged_decode_kernel() -> PagedDecodeKernel | None:
 def paged_extend_kernel() -> PagedExtendKernel | None:
     """The compiled kernel, or None (logged once, with why) where it cannot be built."""
     return _load("paged_extend.c", PagedExtendKernel, "CPU extend kernel")
+
+
+class PackedLinearKernel:
+    """float32 `x @ W.T (+ bias)` against a weight packed once by `pack` (see
+    `csrc/packed_linear.c`: panels of `panel` output columns, K rows each)."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        p, i64, i32 = _P, _I64, _I32
+        self._fn = library.packed_linear
+        self._fn.argtypes = [p, i64, p, p, i32, i32, i32, p, i64, i32]
+        self._fn.restype = None
+        panel = library.packed_linear_panel
+        panel.restype = i32
+        self.panel = int(panel())
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """A dense float32 `[N, K]` weight -> `[ceil(N / panel), K, panel]`, zero-padded."""
+        n, k = weight.shape
+        panels = -(-n // self.panel)
+        padded = torch.zeros(panels * self.panel, k, dtype=torch.float32)
+        padded[:n] = weight.detach()
+        return padded.view(panels, self.panel, k).transpose(1, 2).contiguous()
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # float32 [..., K]
+        packed: torch.Tensor,  # from `pack`
+        out_features: int,  # N
+        bias: torch.Tensor | None = None,  # float32 [N]
+    ) -> torch.Tensor:
+        assert x.dtype == torch.float32 and packed.dtype == torch.float32
+        k = packed.shape[1]
+        rows = x.reshape(-1, k)
+        if not _rows(rows):
+            rows = rows.contiguous()
+        if bias is not None:
+            assert bias.dtype == torch.float32 and bias.shape == (out_features,)
+            bias = bias.contiguous()
+        out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
+        self._fn(
+            rows.data_ptr(),
+            rows.stride(0),
+            packed.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            rows.shape[0],
+            out_features,
+            k,
+            out.data_ptr(),
+            out.stride(0),
+            torch.get_num_threads(),
+        )
+        return out.view(*x.shape[:-1], out_features)
+
+
+@functools.cache
+def packed_linear_kernel() -> PackedLinearKernel | None:
+    """The compiled float32 linear, or None (logged once, with why) where it cannot be built."""
+    return _load("packed_linear.c", PackedLinearKernel, "CPU packed linear")
 
 
 _LAYER_DTYPES = {torch.float32: 0, torch.bfloat16: 1}

@@ -1,5 +1,6 @@
-"""oneDNN-prepacked CPU weights: same results as F.linear, a fallback where oneDNN has no
-kernel, and the model runner packs every matmul weight unless told not to."""
+"""Prepacked CPU weights: same results as F.linear (oneDNN's copy, and for float32 the
+compiled panel kernel that runs small inputs), a fallback where oneDNN has no kernel, and the
+model runner packs every matmul weight unless told not to."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from attention.cpu_kernels import packed_linear_kernel
 from srt.layers.cpu_packed import can_pack, prepack_cpu_weights
 from srt.layers.linear import QKVLinear, ReplicatedLinear
 from srt.layers.vocab_embedding import LMHead
@@ -90,3 +92,51 @@ def test_model_runner_prepacks_unless_disabled(tmp_path, disable: bool) -> None:
     model = ModelWorker(args).model_runner.model
     packed = [m.packed_weight is not None for m in model.modules() if hasattr(m, "pack_for_cpu")]
     assert packed and all(p != disable for p in packed)
+
+
+KERNEL = packed_linear_kernel()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the kernel cannot build")
+
+
+@needs_kernel
+@pytest.mark.parametrize(("out_features", "in_features"), [(80, 48), (33, 7), (100, 129), (64, 1)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_panel_kernel_matches_f_linear(out_features: int, in_features: int, with_bias: bool):
+    """Every row count through the register blocks and their tails (1..30 rows), a partial
+    last panel (N not a multiple of the panel width), odd K, and more rows than one chunk."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    panels = KERNEL.pack(weight)
+    assert panels.shape == (-(-out_features // KERNEL.panel), in_features, KERNEL.panel)
+    for rows in [*range(31), 1100]:
+        x = torch.randn(rows, in_features, generator=gen)
+        torch.testing.assert_close(
+            KERNEL(x, panels, out_features, bias), F.linear(x, weight, bias), atol=1e-4, rtol=1e-5
+        )
+
+
+@needs_kernel
+def test_small_float32_inputs_take_the_panel_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 layers keep the panels beside oneDNN's copy: up to SMALL_ROWS rows run the
+    compiled kernel, more run oneDNN; bfloat16 layers have no panels."""
+    from srt.layers import cpu_packed
+
+    layer = initialised(ReplicatedLinear(48, 80, bias=True))
+    assert layer.pack_for_cpu() and layer.panel_weight is not None
+    calls: list[int] = []
+    kernel = layer.panel_kernel
+
+    class CountingKernel:  # a test double around the real kernel
+        def __call__(self, x, *args):
+            calls.append(x.shape[0])
+            return kernel(x, *args)
+
+    layer.panel_kernel = CountingKernel()
+    for rows in (1, cpu_packed.SMALL_ROWS, cpu_packed.SMALL_ROWS + 1):
+        x = torch.randn(rows, 48)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert calls == [1, cpu_packed.SMALL_ROWS]
+    bf16 = initialised(ReplicatedLinear(48, 80)).to(torch.bfloat16)
+    if can_pack(bf16.weight):
+        assert bf16.pack_for_cpu() and bf16.panel_weight is None
