@@ -4,8 +4,9 @@
   paged KV pool in place, one query token per request).
 - `paged_extend_kernel()`: the extend-attention kernel of `csrc/paged_extend.c` (reads the
   pool in place too: many new tokens per request, causal over the cached prefix).
-- `packed_linear_kernel()`: float32 linear layers against a weight packed once at load
-  (`csrc/packed_linear.c`; used by `srt/layers/cpu_packed.py`).
+- `packed_linear_kernel()`: linear layers against a weight packed once at load (float32; bf16
+  where the CPU has AVX512_BF16), for small row counts (`csrc/packed_linear.c`; used by
+  `srt/layers/cpu_packed.py`).
 - `layer_ops_kernel()`: the elementwise layer ops of `csrc/layer_ops.c` (RMSNorm with the
   residual add fused, SiLU-and-mul, RoPE), with the call signatures of the CUDA fused-op
   providers, so `srt/layers/fused_kernels.py` hands them to the layers the same way.
@@ -262,43 +263,62 @@ def paged_extend_kernel() -> PagedExtendKernel | None:
 
 
 class PackedLinearKernel:
-    """float32 `x @ W.T (+ bias)` against a weight packed once by `pack` (see
-    `csrc/packed_linear.c`: panels of `panel` output columns, K rows each)."""
+    """`x @ W.T (+ bias)` against a weight packed once by `pack` (see `csrc/packed_linear.c`:
+    panels of `panel` output columns, K rows each): float32, and bfloat16 where the CPU has
+    AVX512_BF16 (K even). `accepts(weight)` says whether a weight can be packed."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         p, i64, i32 = _P, _I64, _I32
-        self._fn = library.packed_linear
-        self._fn.argtypes = [p, i64, p, p, i32, i32, i32, p, i64, i32]
-        self._fn.restype = None
+        argtypes = [p, i64, p, p, i32, i32, i32, p, i64, i32]
+        self._fns: dict[torch.dtype, Callable[..., int | None]] = {}
+        for dtype, entry, restype in (
+            (torch.float32, "packed_linear", None),
+            (torch.bfloat16, "packed_linear_bf16", i32),
+        ):
+            fn = getattr(library, entry, None)  # the bf16 entry exists only with AVX512_BF16
+            if fn is not None:
+                fn.argtypes = argtypes
+                fn.restype = restype
+                self._fns[dtype] = fn
         panel = library.packed_linear_panel
         panel.restype = i32
         self.panel = int(panel())
 
+    def accepts(self, weight: torch.Tensor) -> bool:
+        """A dense 2-D CPU weight of a dtype the library was built for (bf16: K even)."""
+        if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in self._fns:
+            return False
+        return weight.dtype == torch.float32 or weight.shape[1] % 2 == 0
+
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """A dense float32 `[N, K]` weight -> `[ceil(N / panel), K, panel]`, zero-padded."""
+        """A dense `[N, K]` weight -> float32 `[ceil(N / panel), K, panel]`, or bfloat16
+        `[ceil(N / panel), K / 2, panel, 2]` (pairs of k side by side); zero-padded."""
+        assert self.accepts(weight)
         n, k = weight.shape
         panels = -(-n // self.panel)
-        padded = torch.zeros(panels * self.panel, k, dtype=torch.float32)
+        padded = torch.zeros(panels * self.panel, k, dtype=weight.dtype)
         padded[:n] = weight.detach()
-        return padded.view(panels, self.panel, k).transpose(1, 2).contiguous()
+        if weight.dtype == torch.float32:
+            return padded.view(panels, self.panel, k).transpose(1, 2).contiguous()
+        return padded.view(panels, self.panel, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
     def __call__(
         self,
-        x: torch.Tensor,  # float32 [..., K]
+        x: torch.Tensor,  # [..., K], the weight's dtype
         packed: torch.Tensor,  # from `pack`
         out_features: int,  # N
-        bias: torch.Tensor | None = None,  # float32 [N]
+        bias: torch.Tensor | None = None,  # [N], the weight's dtype
     ) -> torch.Tensor:
-        assert x.dtype == torch.float32 and packed.dtype == torch.float32
-        k = packed.shape[1]
+        assert x.dtype == packed.dtype and x.dtype in self._fns
+        k = x.shape[-1]
         rows = x.reshape(-1, k)
         if not _rows(rows):
             rows = rows.contiguous()
         if bias is not None:
-            assert bias.dtype == torch.float32 and bias.shape == (out_features,)
+            assert bias.dtype == x.dtype and bias.shape == (out_features,)
             bias = bias.contiguous()
-        out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
-        self._fn(
+        out = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
+        status = self._fns[x.dtype](
             rows.data_ptr(),
             rows.stride(0),
             packed.data_ptr(),
@@ -310,12 +330,14 @@ class PackedLinearKernel:
             out.stride(0),
             torch.get_num_threads(),
         )
+        if status:
+            raise ValueError(f"packed linear: no bfloat16 kernel for K = {k} (odd)")
         return out.view(*x.shape[:-1], out_features)
 
 
 @functools.cache
 def packed_linear_kernel() -> PackedLinearKernel | None:
-    """The compiled float32 linear, or None (logged once, with why) where it cannot be built."""
+    """The compiled linear kernel, or None (logged once, with why) where it cannot be built."""
     return _load("packed_linear.c", PackedLinearKernel, "CPU packed linear")
 
 

@@ -18,12 +18,21 @@
  *
  * Threads split the panels of a chunk (OpenMP, the team torch uses). Rows are taken in
  * chunks of ROW_CHUNK so that a chunk of x stays in L2 across the panels.
+ *
+ * bfloat16 (built only where the CPU has AVX512_BF16): the same panels with pairs of k
+ * interleaved, packed[N_pad / 32][K / 2][32][2] (K even), and `vdpbf16ps` multiplies a
+ * broadcast pair (x[m][k], x[m][k + 1]) into a weight vector of 16 columns x 2 k, summing in
+ * float32; the output is rounded to bfloat16 once, after the bias, as oneDNN does.
  */
 
 #include <stdint.h>
 #include <string.h>
 
 #include "cpu_vec.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #define NB 2
 #define P (NB * W)
@@ -92,3 +101,72 @@ void packed_linear(const float *x, int64_t ldx, const float *packed, const float
         }
     }
 }
+
+#if defined(__AVX512BF16__)
+/* Rows [0, R) of x (bf16, row stride ldx) times one bf16 panel of K / 2 pairs; writes
+ * columns [0, n) of out (bf16, row stride ldo), bias (bf16) added in float32 first. */
+static inline __attribute__((always_inline)) void block_bf16(const uint16_t *x, int64_t ldx,
+                                                             const uint16_t *panel, int K,
+                                                             const uint16_t *bias, int n,
+                                                             uint16_t *out, int64_t ldo,
+                                                             const int R) {
+    __m512 acc[R][2];
+    for (int m = 0; m < R; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int k = 0; k < K; k += 2) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + (int64_t)k * 32);
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + (int64_t)k * 32 + 32);
+        for (int m = 0; m < R; m++) {
+            int32_t pair;
+            memcpy(&pair, x + m * ldx + k, sizeof pair);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xv, w0);
+            acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xv, w1);
+        }
+    }
+    float b[32] = {0};
+    if (bias != NULL)
+        for (int c = 0; c < n; c++) b[c] = bf16_to_f32(bias[c]);
+    for (int m = 0; m < R; m++) {
+        float row[32];
+        vf v0, v1;
+        memcpy(&v0, &acc[m][0], sizeof v0);
+        memcpy(&v1, &acc[m][1], sizeof v1);
+        store_f32(row, v0 + load_f32(b));
+        store_f32(row + 16, v1 + load_f32(b + 16));
+        if (n == 32) {
+            store_bf16(out + m * ldo, load_f32(row));
+            store_bf16(out + m * ldo + 16, load_f32(row + 16));
+        } else {
+            for (int c = 0; c < n; c++) out[m * ldo + c] = bf16_round(row[c]);
+        }
+    }
+}
+
+static void panel_rows_bf16(const uint16_t *x, int64_t ldx, const uint16_t *panel, int K,
+                            const uint16_t *bias, int n, uint16_t *out, int64_t ldo, int rows) {
+    int m = 0;
+    for (; m + 12 <= rows; m += 12) block_bf16(x + m * ldx, ldx, panel, K, bias, n, out + m * ldo, ldo, 12);
+    for (; m + 4 <= rows; m += 4) block_bf16(x + m * ldx, ldx, panel, K, bias, n, out + m * ldo, ldo, 4);
+    for (; m < rows; m++) block_bf16(x + m * ldx, ldx, panel, K, bias, n, out + m * ldo, ldo, 1);
+}
+
+/* The bfloat16 form of packed_linear (K even); 0 on success. */
+int packed_linear_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed,
+                       const uint16_t *bias, int M, int N, int K, uint16_t *out, int64_t ldo,
+                       int num_threads) {
+    if (K % 2 != 0) return 2;
+    const int panels = (N + 31) / 32;
+    for (int r0 = 0; r0 < M; r0 += ROW_CHUNK) {
+        const int rows = M - r0 < ROW_CHUNK ? M - r0 : ROW_CHUNK;
+        const uint16_t *xc = x + (int64_t)r0 * ldx;
+        uint16_t *oc = out + (int64_t)r0 * ldo;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int p = 0; p < panels; p++) {
+            const int n = N - p * 32 < 32 ? N - p * 32 : 32;
+            panel_rows_bf16(xc, ldx, packed + (int64_t)p * K * 32, K,
+                            bias == NULL ? NULL : bias + p * 32, n, oc + p * 32, ldo, rows);
+        }
+    }
+    return 0;
+}
+#endif

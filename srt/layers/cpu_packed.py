@@ -10,14 +10,17 @@ bench.bench_dtype --tokens 16 256 1024` with and without `--prepacked`): float32
 1.4-2.2x faster at 16 rows (runs vary), the same at 1024. A decode step at batch 16
 (`bench/bench_one_batch.py`): float32 178 -> 134 ms, bfloat16 87 -> 74 ms.
 
-float32 weights get a second packed copy, in the panels of `attention/csrc/packed_linear.c`,
-and inputs of at most `SMALL_ROWS` rows (decode, one row per running request; small extends)
-run that kernel: it streams each panel once at the FMA rate, where oneDNN's small-row kernel
-does not. SmolLM2-135M's 121 matmuls (30 layers' qkv, o, gate-up, down, and the LM head),
-float32, weights from DRAM, medians (scratch script, 2-core AMD EPYC Zen 4): 1 row 28.6 ->
-20.6 ms, 16 rows 33.3 -> 29.5 ms (re-run 32.9 -> 27.9), 64 rows 93.7 -> 89.5 ms; at prefill
-sizes oneDNN stays ahead (544 rows 561 vs 591 ms, 2048 rows 2102 vs 2169 ms), so larger
-inputs keep it. The cost is one more float32 copy of the matmul weights.
+Weights also get a second packed copy, in the panels of `attention/csrc/packed_linear.c`
+(float32; bfloat16 where the CPU has AVX512_BF16, through `vdpbf16ps`), and inputs of at most
+`SMALL_ROWS` rows (decode, one row per running request; small extends) run that kernel: it
+streams each panel once at the FMA rate, where oneDNN's small-row kernels do not.
+SmolLM2-135M's 121 matmuls (30 layers' qkv, o, gate-up, down, and the LM head), weights from
+DRAM, medians (scratch script, 2-core AMD EPYC Zen 4), oneDNN -> kernel: float32 1 row 28.6
+-> 20.6 ms, 16 rows 33.3 -> 29.5 ms (re-run 32.9 -> 27.9), 64 rows 93.7 -> 89.5 ms (capped to
+AVX2: 25.3 -> 17.2, 41.4 -> 35.7, 108.9 -> 95.6 ms); bfloat16 1 row 13.9 -> 9.4 ms, 16 rows
+18.6 -> 13.2 ms, 64 rows 47.9 -> 42.2 ms. At prefill sizes oneDNN stays ahead (float32 544
+rows 561 vs 591 ms, 2048 rows 2102 vs 2169 ms), so larger inputs keep it. The cost is one
+more copy of the matmul weights.
 
 A packed weight is an opaque oneDNN tensor beside the dense parameter, which stays the
 source of truth (weight loading, tied embeddings, tests). Under tensor parallelism the dense
@@ -37,7 +40,7 @@ from attention.cpu_kernels import PackedLinearKernel, packed_linear_kernel
 logger = logging.getLogger(__name__)
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
-# float32 inputs of at most this many rows run the compiled panel kernel; larger, oneDNN.
+# Inputs of at most this many rows run the compiled panel kernel; larger ones, oneDNN.
 SMALL_ROWS = 64
 
 
@@ -67,17 +70,17 @@ class PackableLinear(nn.Module):
     weight: nn.Parameter
     bias: nn.Parameter | None
     packed_weight: torch.Tensor | None = None
-    panel_weight: torch.Tensor | None = None  # float32: the compiled kernel's panels
+    panel_weight: torch.Tensor | None = None  # the compiled kernel's panels
     panel_kernel: PackedLinearKernel | None = None
 
     def pack_for_cpu(self) -> bool:
         if not can_pack(self.weight):
             return False
         self.packed_weight = pack_weight(self.weight)
-        if self.weight.dtype == torch.float32:
-            self.panel_kernel = packed_linear_kernel()  # None where it cannot be built
-            if self.panel_kernel is not None:
-                self.panel_weight = self.panel_kernel.pack(self.weight)
+        kernel = packed_linear_kernel()  # None where it cannot be built
+        if kernel is not None and kernel.accepts(self.weight):
+            self.panel_kernel = kernel
+            self.panel_weight = kernel.pack(self.weight)
         return True
 
     def linear(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:

@@ -99,27 +99,43 @@ needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the ker
 
 
 @needs_kernel
-@pytest.mark.parametrize(("out_features", "in_features"), [(80, 48), (33, 7), (100, 129), (64, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("out_features", "in_features"), [(80, 48), (33, 6), (100, 130), (64, 2)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_panel_kernel_matches_f_linear(out_features: int, in_features: int, with_bias: bool):
+def test_panel_kernel_matches_f_linear(dtype, out_features: int, in_features: int, with_bias):
     """Every row count through the register blocks and their tails (1..30 rows), a partial
-    last panel (N not a multiple of the panel width), odd K, and more rows than one chunk."""
+    last panel (N not a multiple of the panel width), and more rows than one chunk; bfloat16
+    (where the CPU has AVX512_BF16) against float32 math on the same bf16 values, rounded
+    once."""
     gen = torch.Generator().manual_seed(3)
-    weight = torch.randn(out_features, in_features, generator=gen)
-    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    if not KERNEL.accepts(weight):
+        pytest.skip(f"no {dtype} panel kernel on this CPU")
+    bias = torch.randn(out_features, generator=gen).to(dtype) if with_bias else None
     panels = KERNEL.pack(weight)
-    assert panels.shape == (-(-out_features // KERNEL.panel), in_features, KERNEL.panel)
+    assert panels.shape[0] == -(-out_features // KERNEL.panel)
     for rows in [*range(31), 1100]:
-        x = torch.randn(rows, in_features, generator=gen)
+        x = torch.randn(rows, in_features, generator=gen).to(dtype)
+        expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        got = KERNEL(x, panels, out_features, bias)
+        assert got.dtype == dtype
         torch.testing.assert_close(
-            KERNEL(x, panels, out_features, bias), F.linear(x, weight, bias), atol=1e-4, rtol=1e-5
+            got.float(), expected.to(dtype).float(), atol=TOL[dtype], rtol=TOL[dtype]
         )
 
 
 @needs_kernel
-def test_small_float32_inputs_take_the_panel_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """float32 layers keep the panels beside oneDNN's copy: up to SMALL_ROWS rows run the
-    compiled kernel, more run oneDNN; bfloat16 layers have no panels."""
+def test_odd_k_float32_only():
+    """The bf16 kernel reads k in pairs: an odd K is not packed for it (oneDNN runs it)."""
+    assert KERNEL.accepts(torch.empty(8, 7))
+    assert not KERNEL.accepts(torch.empty(8, 7, dtype=torch.bfloat16))
+    assert not KERNEL.accepts(torch.empty(8, 8, dtype=torch.float16))
+
+
+@needs_kernel
+def test_small_inputs_take_the_panel_kernel() -> None:
+    """Layers keep the panels beside oneDNN's copy: up to SMALL_ROWS rows run the compiled
+    kernel, more run oneDNN."""
     from srt.layers import cpu_packed
 
     layer = initialised(ReplicatedLinear(48, 80, bias=True))
@@ -137,6 +153,3 @@ def test_small_float32_inputs_take_the_panel_kernel(monkeypatch: pytest.MonkeyPa
         x = torch.randn(rows, 48)
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
     assert calls == [1, cpu_packed.SMALL_ROWS]
-    bf16 = initialised(ReplicatedLinear(48, 80)).to(torch.bfloat16)
-    if can_pack(bf16.weight):
-        assert bf16.pack_for_cpu() and bf16.panel_weight is None
