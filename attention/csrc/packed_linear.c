@@ -73,12 +73,40 @@ static inline __attribute__((always_inline)) void block(const float *x, int64_t 
     }
 }
 
-static void panel_rows(const float *x, int64_t ldx, const float *panel, int K, const float *bias,
-                       int n, float *out, int64_t ldo, int rows) {
+static void panel_rows(const void *xv, int64_t ldx, const void *panel, int K, const void *bias,
+                       int n, void *outv, int64_t ldo, int rows) {
+    const float *x = xv;
+    float *out = outv;
     int m = 0;
-    for (; m + MB <= rows; m += MB) block(x + m * ldx, ldx, panel, K, bias, n, out + m * ldo, ldo, MB);
+    for (; m + MB <= rows; m += MB)
+        block(x + m * ldx, ldx, panel, K, bias, n, out + m * ldo, ldo, MB);
     for (; m + 4 <= rows; m += 4) block(x + m * ldx, ldx, panel, K, bias, n, out + m * ldo, ldo, 4);
     for (; m < rows; m++) block(x + m * ldx, ldx, panel, K, bias, n, out + m * ldo, ldo, 1);
+}
+
+/* One dtype's rows-times-panel step: rows [0, rows) of x against one panel, into out. */
+typedef void (*PanelRows)(const void *x, int64_t ldx, const void *panel, int K,
+                          const void *bias, int n, void *out, int64_t ldo, int rows);
+
+/* x [M, K] -> out [M, N] through `step`, for elements of `elem` bytes and panels of `width`
+ * columns: rows in chunks of ROW_CHUNK, the panels of a chunk split over the threads. */
+static void over_panels(PanelRows step, int elem, int width, const void *x, int64_t ldx,
+                        const void *packed, const void *bias, int M, int N, int K, void *out,
+                        int64_t ldo, int num_threads) {
+    const int panels = (N + width - 1) / width;
+    const int64_t panel_bytes = (int64_t)K * width * elem, columns_bytes = (int64_t)width * elem;
+    for (int r0 = 0; r0 < M; r0 += ROW_CHUNK) {
+        const int rows = M - r0 < ROW_CHUNK ? M - r0 : ROW_CHUNK;
+        const char *xc = (const char *)x + (int64_t)r0 * ldx * elem;
+        char *oc = (char *)out + (int64_t)r0 * ldo * elem;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int p = 0; p < panels; p++) {
+            const int n = N - p * width < width ? N - p * width : width;
+            const char *b = bias == NULL ? NULL : (const char *)bias + p * columns_bytes;
+            step(xc, ldx, (const char *)packed + p * panel_bytes, K, b, n, oc + p * columns_bytes,
+                 ldo, rows);
+        }
+    }
 }
 
 /* The panel width the packed layout uses on this build (exported for the packer). */
@@ -88,18 +116,8 @@ int packed_linear_panel(void) { return P; }
  * ldo). */
 void packed_linear(const float *x, int64_t ldx, const float *packed, const float *bias, int M,
                    int N, int K, float *out, int64_t ldo, int num_threads) {
-    const int panels = (N + P - 1) / P;
-    for (int r0 = 0; r0 < M; r0 += ROW_CHUNK) {
-        const int rows = M - r0 < ROW_CHUNK ? M - r0 : ROW_CHUNK;
-        const float *xc = x + (int64_t)r0 * ldx;
-        float *oc = out + (int64_t)r0 * ldo;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int p = 0; p < panels; p++) {
-            const int n = N - p * P < P ? N - p * P : P;
-            panel_rows(xc, ldx, packed + (int64_t)p * K * P, K, bias == NULL ? NULL : bias + p * P,
-                       n, oc + p * P, ldo, rows);
-        }
-    }
+    over_panels(panel_rows, sizeof(float), P, x, ldx, packed, bias, M, N, K, out, ldo,
+                num_threads);
 }
 
 #if defined(__AVX512BF16__)
@@ -142,11 +160,15 @@ static inline __attribute__((always_inline)) void block_bf16(const uint16_t *x, 
     }
 }
 
-static void panel_rows_bf16(const uint16_t *x, int64_t ldx, const uint16_t *panel, int K,
-                            const uint16_t *bias, int n, uint16_t *out, int64_t ldo, int rows) {
+static void panel_rows_bf16(const void *xv, int64_t ldx, const void *panel, int K,
+                            const void *bias, int n, void *outv, int64_t ldo, int rows) {
+    const uint16_t *x = xv;
+    uint16_t *out = outv;
     int m = 0;
-    for (; m + 12 <= rows; m += 12) block_bf16(x + m * ldx, ldx, panel, K, bias, n, out + m * ldo, ldo, 12);
-    for (; m + 4 <= rows; m += 4) block_bf16(x + m * ldx, ldx, panel, K, bias, n, out + m * ldo, ldo, 4);
+    for (; m + 12 <= rows; m += 12)
+        block_bf16(x + m * ldx, ldx, panel, K, bias, n, out + m * ldo, ldo, 12);
+    for (; m + 4 <= rows; m += 4)
+        block_bf16(x + m * ldx, ldx, panel, K, bias, n, out + m * ldo, ldo, 4);
     for (; m < rows; m++) block_bf16(x + m * ldx, ldx, panel, K, bias, n, out + m * ldo, ldo, 1);
 }
 
@@ -155,18 +177,8 @@ int packed_linear_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed,
                        const uint16_t *bias, int M, int N, int K, uint16_t *out, int64_t ldo,
                        int num_threads) {
     if (K % 2 != 0) return 2;
-    const int panels = (N + 31) / 32;
-    for (int r0 = 0; r0 < M; r0 += ROW_CHUNK) {
-        const int rows = M - r0 < ROW_CHUNK ? M - r0 : ROW_CHUNK;
-        const uint16_t *xc = x + (int64_t)r0 * ldx;
-        uint16_t *oc = out + (int64_t)r0 * ldo;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int p = 0; p < panels; p++) {
-            const int n = N - p * 32 < 32 ? N - p * 32 : 32;
-            panel_rows_bf16(xc, ldx, packed + (int64_t)p * K * 32, K,
-                            bias == NULL ? NULL : bias + p * 32, n, oc + p * 32, ldo, rows);
-        }
-    }
+    over_panels(panel_rows_bf16, sizeof(uint16_t), 32, x, ldx, packed, bias, M, N, K, out, ldo,
+                num_threads);
     return 0;
 }
 #endif
