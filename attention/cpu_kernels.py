@@ -311,6 +311,7 @@ class PackedLinearKernel:
     ) -> torch.Tensor:
         assert x.dtype == packed.dtype and x.dtype in self._fns
         k = x.shape[-1]
+        assert packed.shape[1] * (packed.dim() - 2) == k  # bf16 panels hold K / 2 pairs
         rows = x.reshape(-1, k)
         if not _rows(rows):
             rows = rows.contiguous()

@@ -64,8 +64,9 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class PackableLinear(nn.Module):
-    """Base of modules whose `forward` is `x @ weight.T + bias`: `pack_for_cpu()` adds a
-    packed copy that `linear()` then uses for CPU inputs of the weight's dtype."""
+    """Base of modules whose `forward` is `x @ weight.T + bias`: `pack_for_cpu()` adds packed
+    copies that `linear()` then uses for CPU inputs of the weight's dtype (the panels up to
+    `SMALL_ROWS` rows, oneDNN's above)."""
 
     weight: nn.Parameter
     bias: nn.Parameter | None
