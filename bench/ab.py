@@ -233,9 +233,14 @@ def build_ab_parser() -> argparse.ArgumentParser:
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
     )
     p.add_argument("--preset", choices=["overlap", "radix", "tp", "vllm"], default=None)
-    p.add_argument("--server-args", default="", help="launch_server args for both RadixRT sides")
-    p.add_argument("--a-args", default="", help="extra args for side A")
-    p.add_argument("--b-args", default="", help="extra args for side B")
+    # A value that starts with "-" must be attached: --b-args="--enable-mixed-chunk".
+    p.add_argument(
+        "--server-args",
+        default="",
+        help='launch_server args for both RadixRT sides (one flag alone: --server-args="--x")',
+    )
+    p.add_argument("--a-args", default="", help='extra args for side A (--a-args="--x")')
+    p.add_argument("--b-args", default="", help='extra args for side B (--b-args="--x")')
     p.add_argument("--a-cmd", default=None, help="a whole server command for A, with {port}")
     p.add_argument("--b-cmd", default=None, help="a whole server command for B, with {port}")
     p.add_argument("--backend-a", default=None)
