@@ -181,3 +181,41 @@ def test_logprobs_match_hf(llama_path: str, start: int) -> None:
         assert [v for v, _ in top] == pytest.approx(ref_top.values.tolist(), abs=1e-4)
     assert len(meta["input_top_logprobs"]) == len(inputs)
     assert_clean(driver)
+
+
+def test_logprobs_of_requests_decoded_in_mixed_batches(llama_path: str) -> None:
+    """With `--enable-mixed-chunk` and a small prefill budget, requests decode inside MIXED
+    batches while others prefill: their logprobs equal those of the unmixed run."""
+    prompts = rand_prompts([40, 33, 47, 29], seed=11)
+    fields = {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2}
+    params = {"max_new_tokens": 8, **GREEDY}
+    base = driver_for(llama_path).generate(prompts, params, **fields)
+    mixed_driver = driver_for(llama_path, enable_mixed_chunk=True, max_prefill_tokens=32)
+    modes = []
+    forward = mixed_driver.worker.forward_batch_generation
+
+    def recording_forward(mwb):
+        modes.append(mwb.forward_mode)
+        return forward(mwb)
+
+    mixed_driver.worker.forward_batch_generation = recording_forward
+    mixed = mixed_driver.generate(prompts, params, **fields)
+    assert any(m.is_mixed() for m in modes)
+    for a, b in zip(base, mixed, strict=True):
+        assert b["output_ids"] == a["output_ids"]
+        for key in ("input_token_logprobs", "output_token_logprobs", "output_top_logprobs"):
+            assert_close_nested(b["meta_info"][key], a["meta_info"][key])
+    assert_clean(mixed_driver)
+
+
+def assert_close_nested(got, want) -> None:
+    """Lists of (logprob, token) pairs, or lists of such lists: same shape, same tokens,
+    logprobs within 1e-5 (None where there is none)."""
+    if isinstance(want, (list, tuple)):
+        assert isinstance(got, (list, tuple)) and len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            assert_close_nested(g, w)
+    elif isinstance(want, float):
+        assert got == pytest.approx(want, abs=1e-5)
+    else:
+        assert got == want
