@@ -105,7 +105,10 @@ def vllm_side(
 
 def sides_from(args: argparse.Namespace) -> tuple[Side, Side]:
     if args.preset == "overlap":
-        pair = (("overlap-off", "--disable-overlap-schedule"), ("overlap-on", ""))
+        pair = (
+            ("overlap-off", "--disable-overlap-schedule"),
+            ("overlap-on", "--enable-overlap-schedule"),
+        )
     elif args.preset == "radix":
         pair = (("radix-off", "--disable-radix-cache"), ("radix-on", ""))
     elif args.preset == "tp":

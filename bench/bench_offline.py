@@ -38,7 +38,8 @@ def w1_prompts(
     ]
 
 
-def make_driver(args: argparse.Namespace, overlap: bool) -> InProcessDriver:
+def make_driver(args: argparse.Namespace, overlap: bool | None) -> InProcessDriver:
+    """`overlap` None: the server's default loop (the normal loop on CPU)."""
     server_args = ServerArgs(
         model_path=args.model_path,
         dtype=args.dtype,
@@ -48,7 +49,7 @@ def make_driver(args: argparse.Namespace, overlap: bool) -> InProcessDriver:
         chunked_prefill_size=args.chunked_prefill_size,
         max_prefill_tokens=args.max_prefill_tokens,
         disable_radix_cache=args.disable_radix_cache,
-        disable_overlap_schedule=not overlap,
+        disable_overlap_schedule=None if overlap is None else not overlap,
     )
     return InProcessDriver(server_args)
 
@@ -56,7 +57,8 @@ def make_driver(args: argparse.Namespace, overlap: bool) -> InProcessDriver:
 def run_radixrt(args: argparse.Namespace, driver: InProcessDriver | None = None) -> dict:
     """W1 through the in-process driver; with --profile, print where the time goes."""
     if driver is None:
-        driver = make_driver(args, overlap=not (args.disable_overlap_schedule or args.profile))
+        overlap = False if args.disable_overlap_schedule or args.profile else None
+        driver = make_driver(args, overlap=True if args.enable_overlap_schedule else overlap)
     vocab = driver.scheduler.vocab_size
     prompts = w1_prompts(args.num_prompts, args.min_len, args.max_len, vocab, args.seed)
     params = {"max_new_tokens": args.output_len, "ignore_eos": True, "temperature": 0}
@@ -191,6 +193,7 @@ def main() -> None:
     p.add_argument("--max-prefill-tokens", type=int, default=16384)
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--disable-overlap-schedule", action="store_true")
+    p.add_argument("--enable-overlap-schedule", action="store_true", help="the overlap loop on CPU")
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument(
         "--compare-overlap", type=int, default=0, metavar="N", help="A/B the two loops, N runs"

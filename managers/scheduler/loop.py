@@ -134,7 +134,7 @@ class Scheduler:
             self.deadlines,
         )
         # The overlap loop: the launched batch whose result is not processed yet.
-        self.overlap = not server_args.disable_overlap_schedule
+        self.overlap = server_args.overlap_schedule()
         self.pending: BatchLaunch | None = None
         self.pending_rows: list[int] = []  # rows to release once `pending`'s forward is done
         self.launched_last_step = False

@@ -17,7 +17,7 @@ from tests.managers.scripted_worker import ScriptedWorker
 SCRIPT = """
 from managers.inprocess import InProcessDriver
 from srt.server_args import ServerArgs
-driver = InProcessDriver(ServerArgs(model_path=None, dtype="float32"))
+driver = InProcessDriver(ServerArgs(model_path=None, dtype="float32", disable_overlap_schedule=False))
 out = driver.generate([[5, 6, 7, 8]], {"max_new_tokens": 4, "ignore_eos": True})
 print(len(out[0]["output_ids"]))
 """
