@@ -190,7 +190,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-total-tokens", type=int, default=None)
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
-    p.add_argument("--max-prefill-tokens", type=int, default=16384)
+    p.add_argument("--max-prefill-tokens", type=int, default=None, help="default: the server's")
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--disable-overlap-schedule", action="store_true")
     p.add_argument("--enable-overlap-schedule", action="store_true", help="the overlap loop on CPU")

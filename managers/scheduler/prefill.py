@@ -43,7 +43,7 @@ class PrefillPlanner:
         if server_args.enable_priority_scheduling:
             by_priority = urgency(server_args.schedule_low_priority_values_first)
         self.policy = SchedulePolicy(server_args.schedule_policy, kv, by_priority)
-        self.max_prefill_tokens = server_args.max_prefill_tokens
+        self.max_prefill_tokens = server_args.prefill_token_budget()
         self.chunk_size = server_args.chunk_size
         self.mixed_chunk = server_args.enable_mixed_chunk
 

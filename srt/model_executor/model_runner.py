@@ -194,7 +194,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         used = total - free
-        num_tokens = max(args.max_prefill_tokens, args.chunk_size or 0)
+        num_tokens = max(args.prefill_token_budget(), args.chunk_size or 0)
         batch = build_profile_batch(
             profile_lens(num_tokens, cfg.context_len), args.page_size, cfg, self.device
         )

@@ -164,7 +164,7 @@ def test_runner_sizing_subtracts_table_and_graphs(
         context_len=8192, vocab_size=32000, dtype=torch.bfloat16, head_dim=64, **layers
     )
     runner.server_args = SimpleNamespace(
-        max_prefill_tokens=8192,
+        prefill_token_budget=lambda: 8192,
         chunk_size=None,
         mem_fraction_static=0.88,
         page_size=16,

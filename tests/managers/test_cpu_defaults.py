@@ -1,6 +1,10 @@
-"""Which event loop the scheduler runs: by default the normal loop on CPU (the forward's threads
-already take every core, so the overlap loop's scheduler thread only slows them) and the
-overlap loop on GPU; `--disable-overlap-schedule` and `--enable-overlap-schedule` choose."""
+"""Scheduler defaults that depend on the device.
+
+- The event loop: by default the normal loop on CPU (the forward's threads already take every
+  core, so the overlap loop's scheduler thread only slows them) and the overlap loop on GPU;
+  `--disable-overlap-schedule` and `--enable-overlap-schedule` choose.
+- The prefill-token budget of one batch: 1024 on CPU (prefill throughput is flat beyond a
+  few hundred tokens), SGLang's 16384 on GPU; `--max-prefill-tokens` sets it."""
 
 from __future__ import annotations
 
@@ -50,4 +54,30 @@ def test_cpu_scheduler_runs_the_chosen_loop(args: ServerArgs, overlap: bool) -> 
     assert hasattr(sched, "forward_worker") is overlap
     outs = driver.generate([[1, 2, 3, 4], [5, 6, 7]], {"max_new_tokens": 5, "ignore_eos": True})
     assert [len(o["output_ids"]) for o in outs] == [5, 5]
+    assert_idle_and_clean(driver)
+
+
+@pytest.mark.parametrize(
+    ("flags", "device", "budget"),
+    [
+        ([], "cpu", 1024),
+        ([], "cuda", 16384),
+        (["--max-prefill-tokens", "300"], "cpu", 300),
+        (["--max-prefill-tokens", "300"], "cuda", 300),
+    ],
+)
+def test_prefill_budget_by_device(flags: list[str], device: str, budget: int) -> None:
+    assert prepare_server_args([*flags, "--device", device]).prefill_token_budget() == budget
+
+
+def test_cpu_prefill_batches_keep_to_the_default_budget() -> None:
+    """Six 400-token prompts waiting at once: the CPU default admits two per prefill batch
+    (800 <= 1024 < 1200), where SGLang's 16384 took all six in one."""
+    worker = ScriptedWorker(max_total_tokens=8192)
+    driver = InProcessDriver(ServerArgs(device="cpu"), worker=worker, tokenizer=None)
+    prompts = [[(i * 31 + k) % 900 + 1 for k in range(400)] for i in range(6)]
+    outs = driver.generate(prompts, {"max_new_tokens": 3, "ignore_eos": True})
+    assert all(len(o["output_ids"]) == 3 for o in outs)
+    extends = [b for b in worker.forward_calls if b.forward_mode.is_extend()]
+    assert [len(b.seq_lens_cpu) for b in extends] == [2, 2, 2]
     assert_idle_and_clean(driver)
