@@ -7,8 +7,11 @@
 
 They share `Queues` (where each request is) and `KVManager` (who owns each KV slot). A step:
 poll the waiting intake queues, build the next batch (prefill first, else decode), run it,
-process its result. `--disable-overlap-schedule` selects `step_normal`; by default
-`step_overlap` launches batch N+1 before processing batch N's result:
+process its result. `step_normal` runs one batch after the other: the default on CPU, where
+the forward is synchronous and its threads take every core, so a scheduler thread running
+beside it only slows it (`ServerArgs.overlap_schedule()`; `--enable-overlap-schedule` /
+`--disable-overlap-schedule` choose). On GPU by default `step_overlap` launches batch N+1
+before processing batch N's result:
 
     build N+1 ─ launch N+1 ─ wait for N, process N ─ build N+2 ─ launch N+2 ─ ...
                     └─────── forward N+1 runs on the worker thread meanwhile ───────┘
