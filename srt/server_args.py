@@ -20,6 +20,9 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 from srt.utils.registry import import_target
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# Default --max-prefill-tokens by device (see ServerArgs.prefill_token_budget).
+GPU_PREFILL_TOKENS = 16384
+CPU_PREFILL_TOKENS = 1024
 
 
 def _opt(
@@ -296,7 +299,7 @@ class ServerArgs:
         duration). GPUs gain from large batches: SGLang's 16384 stays there."""
         if self.max_prefill_tokens is not None:
             return self.max_prefill_tokens
-        return 16384 if self.resolved_device() != "cpu" else 1024
+        return GPU_PREFILL_TOKENS if self.resolved_device() != "cpu" else CPU_PREFILL_TOKENS
 
     def overlap_schedule(self) -> bool:
         """Does the scheduler run the overlap loop? By default on GPU only: on a CPU the forward

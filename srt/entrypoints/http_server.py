@@ -125,6 +125,9 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         states = await tm.get_internal_states()
         args = dataclasses.asdict(server_args)
         args.pop("api_key", None)
+        # What the scheduler runs with where the field's default depends on the device.
+        args["max_prefill_tokens"] = server_args.prefill_token_budget()
+        args["disable_overlap_schedule"] = not server_args.overlap_schedule()
         if show_local_paths:
             args["model_path"] = tm.model_path
         else:

@@ -9,6 +9,8 @@ and the model path of 7), against the shared server (default limits, no API key)
 
 from __future__ import annotations
 
+import os
+import shlex
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +19,9 @@ from contextlib import contextmanager
 import orjson
 import pytest
 import requests
+
+from srt.server_args import prepare_server_args
+from tests.conftest import SERVER_ARGS, SERVER_EXTRA_ARGS_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -258,3 +263,14 @@ def test_operators_see_the_local_path_behind_the_api_key(
     assert server["model_path"] == default_model_path
     info = requests.get(guarded_url + "/get_model_info", headers=AUTH, timeout=30).json()
     assert info["model_path"] == info["served_model_name"]
+
+
+def test_server_info_shows_the_resolved_device_defaults(url: str) -> None:
+    """Fields whose default depends on the device show what the scheduler runs with, not
+    null: the prefill-token budget and the event loop."""
+    args = prepare_server_args(
+        [*SERVER_ARGS, *shlex.split(os.environ.get(SERVER_EXTRA_ARGS_ENV, ""))]
+    )
+    server = requests.get(url + "/get_server_info", timeout=30).json()
+    assert server["max_prefill_tokens"] == args.prefill_token_budget()
+    assert server["disable_overlap_schedule"] is (not args.overlap_schedule())
