@@ -30,7 +30,7 @@ FREE_PROMPTS = [
 # that have nothing to do with grammars.
 @pytest.fixture(scope="module")
 def fp32_overlap() -> InProcessDriver:
-    return make_driver(dtype="float32")
+    return make_driver(dtype="float32", disable_overlap_schedule=False)  # also on CPU
 
 
 @pytest.fixture(scope="module")

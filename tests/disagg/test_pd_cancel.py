@@ -59,14 +59,18 @@ def server(model_path: str, mode: str = "null", **args) -> InProcessDriver:
 
 
 def pd_pair(
-    model_path: str, backend: str, decode_args: dict, prefill: bool = True
+    model_path: str,
+    backend: str,
+    decode_args: dict,
+    prefill: bool = True,
+    prefill_args: dict | None = None,
 ) -> tuple[InProcessDriver | None, InProcessDriver, int]:
     module = {"mooncake": "mooncake.engine", "nixl": "nixl._api"}.get(backend)
     if module is not None:
         pytest.importorskip(module, reason=f"{backend} is not installed")
     port = free_port()
     common = {"disaggregation_transfer_backend": backend, "disaggregation_bootstrap_port": port}
-    p = server(model_path, "prefill", **common) if prefill else None
+    p = server(model_path, "prefill", **common, **(prefill_args or {})) if prefill else None
     d = server(model_path, "decode", **common, **decode_args)
     return p, d, port
 
@@ -241,7 +245,12 @@ def test_decode_abort_before_the_prefill_request_arrives(model_path: str) -> Non
 def test_decode_abort_during_the_prefill_forward(model_path: str) -> None:
     """The cancel reaches the prefill side while its forward runs (overlap loop): the request
     finishes there as aborted, nothing is written, and both sides' KV is accounted for."""
-    prefill, decode, port = pd_pair(model_path, "loopback", {"disaggregation_timeout": 30.0})
+    prefill, decode, port = pd_pair(
+        model_path,
+        "loopback",
+        {"disaggregation_timeout": 30.0},
+        prefill_args={"disable_overlap_schedule": False},  # the overlap loop, also on CPU
+    )
     assert prefill is not None
     writes: list[int] = []
     prefill.scheduler.disagg.transfer.write = lambda peer, src, dst: writes.append(len(dst))
