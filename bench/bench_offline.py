@@ -57,8 +57,12 @@ def make_driver(args: argparse.Namespace, overlap: bool | None) -> InProcessDriv
 def run_radixrt(args: argparse.Namespace, driver: InProcessDriver | None = None) -> dict:
     """W1 through the in-process driver; with --profile, print where the time goes."""
     if driver is None:
-        overlap = False if args.disable_overlap_schedule or args.profile else None
-        driver = make_driver(args, overlap=True if args.enable_overlap_schedule else overlap)
+        overlap: bool | None = None  # the server's default loop
+        if args.disable_overlap_schedule or args.profile:
+            overlap = False  # the profiler does not trace the overlap loop's forward thread
+        elif args.enable_overlap_schedule:
+            overlap = True
+        driver = make_driver(args, overlap=overlap)
     vocab = driver.scheduler.vocab_size
     prompts = w1_prompts(args.num_prompts, args.min_len, args.max_len, vocab, args.seed)
     params = {"max_new_tokens": args.output_len, "ignore_eos": True, "temperature": 0}

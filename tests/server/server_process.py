@@ -16,10 +16,21 @@ import requests
 STARTUP_TIMEOUT_S = 180.0
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and not handed out before by this process. The OS may offer a port
+    again as soon as the probe socket closes, and ports are bound later, by other processes:
+    a server's HTTP port once came out equal to the KV-events port the test had picked just
+    before, and the server could not bind it."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def die_with_parent() -> None:
