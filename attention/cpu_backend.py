@@ -7,7 +7,8 @@ no gather, no per-request Python, online softmax in float32:
 
 - decode, `attention/csrc/paged_decode.c`: walks `req_to_token` and reads every K and V row
   once, straight from the pool, for all the query heads of a request (decode is bound by
-  reading K/V);
+  reading K/V); where requests hold the same leading slots (a prefix the radix cache shares,
+  found once per step by `shared_prefixes`), those rows are read once for all of them;
 - extend, `attention/csrc/paged_extend.c`: the new tokens of a request in blocks, each over
   the keys its last token sees (bottom-right causal over the cached prefix), a tile of keys
   at a time copied out of the pool once and multiplied against the block's query rows.
@@ -28,7 +29,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from attention.cpu_kernels import PagedAttentionKernel, paged_decode_kernel, paged_extend_kernel
+from attention.cpu_kernels import (
+    PagedAttentionKernel,
+    paged_decode_kernel,
+    paged_extend_kernel,
+    shared_prefixes,
+)
 from attention.torch_native_backend import TorchNativeAttnBackend
 
 if TYPE_CHECKING:
@@ -77,8 +83,13 @@ class CpuAttnBackend(TorchNativeAttnBackend):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         mode = forward_batch.forward_mode
         if self._kernel is not None and mode.is_decode():
-            # The kernel reads req_pool_indices and seq_lens, already on the batch.
-            forward_batch.attn_metadata = None
+            # The kernel reads req_pool_indices and seq_lens, already on the batch; the shared
+            # prefixes are found once here for every layer.
+            forward_batch.attn_metadata = shared_prefixes(
+                self._req_to_token(forward_batch),
+                forward_batch.req_pool_indices,
+                forward_batch.seq_lens,
+            )
             return
         if self._extend_kernel is not None and mode.is_extend():
             self._decode_plan = None  # as in torch_native: an extend ends staged-K/V reuse
@@ -121,7 +132,15 @@ class CpuAttnBackend(TorchNativeAttnBackend):
             return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         per_request = (forward_batch.req_pool_indices, forward_batch.seq_lens)
         return self._through(
-            self._kernel, per_request, q, k, v, layer, forward_batch, save_kv_cache
+            self._kernel,
+            per_request,
+            q,
+            k,
+            v,
+            layer,
+            forward_batch,
+            save_kv_cache,
+            shared=forward_batch.attn_metadata,
         )
 
     def _through(
@@ -134,14 +153,23 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         layer: RadixAttention,
         forward_batch: ForwardBatch,
         save_kv_cache: bool,
+        **options: Any,
     ) -> torch.Tensor:
-        """Save the new K/V, then run `kernel` over the pool; the output in q's dtype."""
+        """Save the new K/V, then run `kernel` over the pool (`options` are the kernel's
+        keyword arguments); the output in q's dtype."""
         if save_kv_cache:
             self.save_kv(layer, forward_batch, k, v)
         k_cache, v_cache = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         req_to_token = self._req_to_token(forward_batch)
         out = kernel(
-            q, k_cache, v_cache, req_to_token, *per_request, layer.num_heads, layer.scaling
+            q,
+            k_cache,
+            v_cache,
+            req_to_token,
+            *per_request,
+            layer.num_heads,
+            layer.scaling,
+            **options,
         )
         return out.to(q.dtype)
 

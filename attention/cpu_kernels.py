@@ -1,7 +1,8 @@
 """Compiled CPU kernels, built with the system C compiler at first use and called via ctypes.
 
 - `paged_decode_kernel()`: the decode-attention kernel of `csrc/paged_decode.c` (reads the
-  paged KV pool in place, one query token per request).
+  paged KV pool in place, one query token per request; a prefix of KV slots that several
+  requests hold, found by `shared_prefixes()`, is read once for all of them).
 - `paged_extend_kernel()`: the extend-attention kernel of `csrc/paged_extend.c` (reads the
   pool in place too: many new tokens per request, causal over the cached prefix).
 - `packed_linear_kernel()`: linear layers against a weight packed once at load (float32; bf16
@@ -38,6 +39,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -133,18 +135,19 @@ class PagedAttentionKernel:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         req_to_token: torch.Tensor,
-        per_request: tuple[torch.Tensor, ...],
+        per_request: tuple[torch.Tensor | None, ...],
         num_heads: int,
         scale: float,
         out: torch.Tensor,
     ) -> torch.Tensor:
         """Call the kernel with the arguments both share, around the int64 per-request arrays
-        (pool rows first); returns `out`, or raises for the kernel's error status."""
+        (pool rows first; None passes NULL); returns `out`, or raises for the kernel's error
+        status."""
         _, kv_heads, head_dim = k_cache.shape
         assert k_cache.dtype == v_cache.dtype and k_cache.stride() == v_cache.stride()
         assert k_cache.stride(2) == 1 and k_cache.stride(1) == head_dim
         assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1
-        assert all(t.dtype == torch.int64 and t.is_contiguous() for t in per_request)
+        assert all(t is None or t.dtype == torch.int64 and t.is_contiguous() for t in per_request)
         status = self._fn(
             q32.data_ptr(),
             k_cache.data_ptr(),
@@ -153,7 +156,7 @@ class PagedAttentionKernel:
             k_cache.stride(0),
             req_to_token.data_ptr(),
             req_to_token.stride(0),
-            *(t.data_ptr() for t in per_request),
+            *(None if t is None else t.data_ptr() for t in per_request),
             per_request[0].shape[0],
             num_heads,
             kv_heads,
@@ -175,6 +178,66 @@ class PagedAttentionKernel:
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
+# A group's common prefix is read once per step only when it is at least this long: shorter
+# ones cost their own chunk items and merges for little memory saved.
+MIN_SHARED_TOKENS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPrefixes:
+    """Which requests of a decode batch hold the same leading KV slots, for the decode kernel.
+
+    With the radix cache, requests that matched the same cached prefix hold the same slots for
+    it (one slot per token, written once), so the kernel can read those K/V rows once for all
+    of them. `leaders[b]`: the first request of b's group (b itself when b shares nothing);
+    `lens[b]`: the group's common prefix in tokens (0 when b shares nothing). int64 [B].
+    """
+
+    leaders: torch.Tensor
+    lens: torch.Tensor
+
+    @property
+    def groups(self) -> int:
+        """Groups that share a prefix (for logs and tests)."""
+        return int(((self.leaders == torch.arange(len(self.leaders))) & (self.lens > 0)).sum())
+
+
+def shared_prefixes(
+    req_to_token: torch.Tensor,
+    pool_rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    min_tokens: int = MIN_SHARED_TOKENS,
+) -> SharedPrefixes | None:
+    """Group a decode batch's requests by the KV slot of their first token, and give each group
+    the longest prefix of slots all its members hold (the newest token, each request's own,
+    excluded). Groups sharing fewer than `min_tokens` are left out; None when no group is left.
+    One call per decode step; every layer's kernel call reads the result."""
+    batch = pool_rows.numel()
+    if batch < 2:
+        return None
+    rows = pool_rows.to(torch.int64)
+    lens = seq_lens.to(torch.int64)
+    first = req_to_token[rows, 0]
+    _, group_of, sizes = torch.unique(first, return_inverse=True, return_counts=True)
+    if int(sizes.max()) < 2:
+        return None
+    leaders = torch.arange(batch, dtype=torch.int64)
+    shared = torch.zeros(batch, dtype=torch.int64)
+    for group in torch.nonzero(sizes >= 2).flatten().tolist():
+        members = torch.nonzero(group_of == group).flatten()
+        span = int(lens[members].min()) - 1
+        if span < min_tokens:
+            continue
+        slots = req_to_token[rows[members], :span]
+        common = int((slots == slots[0]).all(dim=0).to(torch.int32).cumprod(0).sum())
+        if common >= min_tokens:
+            leaders[members] = members[0]
+            shared[members] = common
+    if not bool((shared > 0).any()):
+        return None
+    return SharedPrefixes(leaders, shared)
+
+
 class PagedDecodeKernel(PagedAttentionKernel):
     """Decode attention over the paged pool: `__call__` returns float32 [B, H * D]."""
 
@@ -182,7 +245,9 @@ class PagedDecodeKernel(PagedAttentionKernel):
 
     def __init__(self, library: ctypes.CDLL) -> None:
         p, i64, i32 = _P, _I64, _I32
-        argtypes = [p, p, p, i32, i64, p, i64, p, p, i32, i32, i32, i32, ctypes.c_float, p, i32]
+        argtypes = [
+            p, p, p, i32, i64, p, i64, p, p, p, p, i32, i32, i32, i32, ctypes.c_float, p, i32
+        ]  # fmt: skip
         super().__init__(library, "paged_decode_attention", argtypes)
 
     def __call__(
@@ -195,12 +260,17 @@ class PagedDecodeKernel(PagedAttentionKernel):
         seq_lens: torch.Tensor,  # int64 [B], the new token included
         num_heads: int,
         scale: float,
+        shared: SharedPrefixes | None = None,
     ) -> torch.Tensor:
+        """`shared`: requests whose leading KV slots are the same (`shared_prefixes`); their
+        common prefix is read once per group. None: every request reads all its own."""
         batch, head_dim = q.shape[0], k_cache.shape[2]
         q32 = q.reshape(batch, num_heads * head_dim).to(torch.float32).contiguous()
         per_request = (
             pool_rows.to(torch.int64).contiguous(),
             seq_lens.to(torch.int64).contiguous(),
+            None if shared is None else shared.leaders,
+            None if shared is None else shared.lens,
         )
         out = torch.empty(batch, num_heads * head_dim, dtype=torch.float32)
         return self._run(q32, k_cache, v_cache, req_to_token, per_request, num_heads, scale, out)

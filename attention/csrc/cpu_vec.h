@@ -1,6 +1,7 @@
 /* Float vectors for the CPU kernels (GCC vector extensions), shared by the csrc/ sources:
  * W lanes (one AVX-512 register, or one AVX2 one), float32 and bfloat16 loads and stores, a
- * horizontal sum and e^x for x <= 0. attention/cpu_kernels.py hashes this header with each
+ * horizontal sum (of one vector, and of W vectors at once), lane selects and maxima, and e^x for
+ * x <= 0. attention/cpu_kernels.py hashes this header with each
  * source, so a change here rebuilds every kernel. */
 
 #ifndef RADIXRT_CPU_VEC_H
@@ -46,6 +47,71 @@ static inline float hsum(vf v) {
     v += __builtin_shuffle(v, (vi){2, 3, 0, 1, 6, 7, 4, 5});
     v += __builtin_shuffle(v, (vi){1, 0, 3, 2, 5, 4, 7, 6});
 #endif
+    return v[0];
+}
+
+/* Lanes of x where `pick` is set, of y elsewhere. */
+static inline vf select_lanes(vi pick, vf x, vf y) {
+    vu xb, yb;
+    memcpy(&xb, &x, sizeof x);
+    memcpy(&yb, &y, sizeof y);
+    xb = (xb & (vu)pick) | (yb & ~(vu)pick);
+    memcpy(&x, &xb, sizeof x);
+    return x;
+}
+
+static inline vf max_lanes(vf x, vf y) { return select_lanes(x > y, x, y); }
+
+/* The largest lane of v. */
+static inline float hmax(vf v) {
+#if W == 16
+    v = max_lanes(v, __builtin_shuffle(v, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+    v = max_lanes(v, __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
+    v = max_lanes(v, __builtin_shuffle(v, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
+    v = max_lanes(v, __builtin_shuffle(v, (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
+#else
+    v = max_lanes(v, __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3}));
+    v = max_lanes(v, __builtin_shuffle(v, (vi){2, 3, 0, 1, 6, 7, 4, 5}));
+    v = max_lanes(v, __builtin_shuffle(v, (vi){1, 0, 3, 2, 5, 4, 7, 6}));
+#endif
+    return v[0];
+}
+
+/* v[0..W) -> one vector whose lane i is the sum of v[i]'s lanes: log2(W) rounds, each adding
+ * two shuffles of a pair of vectors (blocks of 1, 2, 4, ... lanes from each side), so W sums
+ * cost about 3 W / 2 instructions instead of W horizontal sums. Overwrites v. */
+static inline __attribute__((always_inline)) vf sum_lanes(vf *v) {
+#if W == 16
+    static const vi lo[4] = {
+        {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
+        {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+        {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+        {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+    };
+    static const vi hi[4] = {
+        {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31},
+        {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
+        {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
+        {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
+    };
+#else
+    static const vi lo[3] = {
+        {0, 8, 2, 10, 4, 12, 6, 14},
+        {0, 1, 8, 9, 4, 5, 12, 13},
+        {0, 1, 2, 3, 8, 9, 10, 11},
+    };
+    static const vi hi[3] = {
+        {1, 9, 3, 11, 5, 13, 7, 15},
+        {2, 3, 10, 11, 6, 7, 14, 15},
+        {4, 5, 6, 7, 12, 13, 14, 15},
+    };
+#endif
+#pragma GCC unroll 4
+    for (int round = 0, n = W; n > 1; n /= 2, round++)
+#pragma GCC unroll 8
+        for (int j = 0; j < n / 2; j++)
+            v[j] = __builtin_shuffle(v[2 * j], v[2 * j + 1], lo[round]) +
+                   __builtin_shuffle(v[2 * j], v[2 * j + 1], hi[round]);
     return v[0];
 }
 

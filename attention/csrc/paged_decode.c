@@ -28,7 +28,14 @@
 
 #define TILE 128
 #define MIN_SPLIT_TOKENS 256
+#define SHARED_CHUNK 256
 #define PREFETCH 8
+/* Fixed bounds for the register arrays: a head dim of at most 128 (NV = D / W vectors), at
+ * most MAX_GB queries per V pass. Sized by constants, not by NV (a variable-length array
+ * lives on the stack, and every access to it is a load or a store), they stay in registers
+ * once the loops over NV are unrolled. */
+#define MAX_NV (128 / W)
+#define MAX_GB 4
 
 /* One head's row of D = W * NV elements as float32 vectors. */
 static inline __attribute__((always_inline)) void load_row(const void *cache, int kv_bf16,
@@ -43,83 +50,164 @@ static inline __attribute__((always_inline)) void load_row(const void *cache, in
     }
 }
 
+/* The lane-wise products of one head's K row with q[NV], summed over the NV vectors. */
+static inline __attribute__((always_inline)) vf dot_row(const void *cache, int kv_bf16,
+                                                        int64_t base, const int NV,
+                                                        const vf *qv) {
+    vf k[MAX_NV];
+    load_row(cache, kv_bf16, base, NV, k);
+    vf dot = qv[0] * k[0];
+    for (int c = 1; c < NV; c++) dot += qv[c] * k[c];
+    return dot;
+}
+
 static inline void prefetch_row(const void *cache, int64_t slot, int row_bytes) {
     const char *p = (const char *)cache + slot * row_bytes;
     for (int off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off);
 }
 
 /* One work item: the H = Hkv * G queries q[H][D] (float32) of one request against its
- * tokens [t_begin, t_end), D = W * NV. A token's K (then V) row holds all its KV heads,
- * scattered over the pool: rows are prefetched PREFETCH tokens ahead, and each is read from
- * memory once (the G queries of a KV head reuse it from cache). Leaves the unnormalised
- * output in acc[H][D], the running max in m[H], the sum of exponentials in l[H]. Inlined
- * with constant G and NV, so a query group's accumulators stay in registers. */
+ * tokens [t_begin, t_end), D = W * NV, in tiles of TILE tokens. A token's K (then V) row
+ * holds all its KV heads, scattered over the pool: rows are prefetched PREFETCH tokens ahead,
+ * read from memory once per tile and from cache by the other queries and heads. Leaves the
+ * unnormalised output in acc_out[H][D], the running max in m[H], the sum of exponentials in
+ * l[H]. Inlined with constant G and NV.
+ *
+ * The output accumulators (H * NV vectors: 36 for SmolLM2's 9 heads of 64) do not all fit in
+ * registers, so the V pass runs one KV head and GB of its queries at a time over the tile's
+ * tokens, their GB * NV accumulators in registers, and stores them once per tile. (Looping
+ * tokens outside and heads inside kept them on the stack, one store-to-load round trip per
+ * token and query: the kernel's hottest line.) */
+#if W == 16
+#define ACC_VECTORS 16
+#else
+#define ACC_VECTORS 8
+#endif
+/* Queries g0 .. g0 + GN of KV head h (GN a constant, so their GN * NV accumulators stay in
+ * registers): acc_out rows rescaled by alphas, plus the tile's tn probabilities s[j][t] times
+ * each token's V row. With `prefetch`, the V rows PREFETCH tokens ahead are prefetched. */
+static inline __attribute__((always_inline)) void accumulate_v(
+    const void *v_cache, int kv_bf16, int64_t slot_stride, const int32_t *slots, int64_t t0,
+    int64_t t_end, int tn, int h, const int G, int g0, const int NV, const int GN, int prefetch,
+    int row_bytes, const float *s, const float *alphas, float *acc_out) {
+    const int D = W * NV;
+    float *out = acc_out + (int64_t)(h * G + g0) * D;
+    const float *p = s + (int64_t)(h * G + g0) * TILE;
+    vf a[MAX_GB][MAX_NV];
+#pragma GCC unroll 8
+    for (int g = 0; g < GN; g++)
+#pragma GCC unroll 16
+        for (int c = 0; c < NV; c++)
+            a[g][c] = load_f32(out + g * D + W * c) * alphas[h * G + g0 + g];
+    for (int t = 0; t < tn; t++) {
+        if (prefetch && t0 + t + PREFETCH < t_end)
+            prefetch_row(v_cache, slots[t0 + t + PREFETCH], row_bytes);
+        vf v[MAX_NV];
+        load_row(v_cache, kv_bf16, (int64_t)slots[t0 + t] * slot_stride + h * D, NV, v);
+#pragma GCC unroll 8
+        for (int g = 0; g < GN; g++) {
+            const float pt = p[g * TILE + t];
+#pragma GCC unroll 16
+            for (int c = 0; c < NV; c++) a[g][c] += pt * v[c];
+        }
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < GN; g++)
+#pragma GCC unroll 16
+        for (int c = 0; c < NV; c++) store_f32(out + g * D + W * c, a[g][c]);
+}
+
 static inline __attribute__((always_inline)) void attend_range(
     const float *q, const void *k_cache, const void *v_cache, int kv_bf16, int64_t slot_stride,
     const int32_t *slots, int64_t t_begin, int64_t t_end, int Hkv, const int G, const int NV,
     float scale, float *acc_out, float *m, float *l) {
     const int H = Hkv * G, D = W * NV;
+    const int GB = ACC_VECTORS / NV < 1 ? 1 : ACC_VECTORS / NV > MAX_GB ? MAX_GB : ACC_VECTORS / NV;
     const int row_bytes = (int)(slot_stride * (kv_bf16 ? 2 : 4));
     float s[H][TILE];
-    vf acc[H][NV];
     for (int j = 0; j < H; j++) {
         m[j] = -FLT_MAX;
         l[j] = 0.f;
-        for (int c = 0; c < NV; c++) acc[j][c] = (vf){0};
+        for (int d = 0; d < D; d++) acc_out[j * D + d] = 0.f;
     }
     for (int64_t t0 = t_begin; t0 < t_end; t0 += TILE) {
         const int tn = (int)(t_end - t0 < TILE ? t_end - t0 : TILE);
-        for (int t = 0; t < tn; t++) {
-            if (t0 + t + PREFETCH < t_end) prefetch_row(k_cache, slots[t0 + t + PREFETCH], row_bytes);
-            const int64_t base = (int64_t)slots[t0 + t] * slot_stride;
+        /* Scores W tokens at a time: one partial-product vector per token, then W of them
+         * summed across lanes at once (sum_lanes), instead of one horizontal sum per score.
+         * The block's K rows are read from memory for the first query of a KV head and from
+         * L1 for the others. */
+        for (int tb = 0; tb < tn; tb += W) {
+            const int bn = tn - tb < W ? tn - tb : W;
+            int64_t base[W];
+            for (int t = 0; t < bn; t++) {
+                const int64_t at = t0 + tb + t;
+                if (at + PREFETCH < t_end) prefetch_row(k_cache, slots[at + PREFETCH], row_bytes);
+                base[t] = (int64_t)slots[at] * slot_stride;
+            }
             for (int h = 0; h < Hkv; h++) {
-                vf k[NV];
-                load_row(k_cache, kv_bf16, base + (int64_t)h * D, NV, k);
                 for (int g = 0; g < G; g++) {
                     const float *qj = q + (h * G + g) * D;
-                    vf dot = load_f32(qj) * k[0];
-                    for (int c = 1; c < NV; c++) dot += load_f32(qj + W * c) * k[c];
-                    s[h * G + g][t] = hsum(dot) * scale;
+                    vf qv[MAX_NV], dots[W];
+                    for (int c = 0; c < NV; c++) qv[c] = load_f32(qj + W * c);
+                    if (bn == W) {
+                        for (int t = 0; t < W; t++)
+                            dots[t] = dot_row(k_cache, kv_bf16, base[t] + (int64_t)h * D, NV, qv);
+                    } else {
+                        for (int t = 0; t < W; t++)
+                            dots[t] = t < bn ? dot_row(k_cache, kv_bf16, base[t] + (int64_t)h * D,
+                                                       NV, qv)
+                                             : (vf){0};
+                    }
+                    store_f32(&s[h * G + g][tb], sum_lanes(dots) * scale);
                 }
             }
         }
         /* Online softmax, W scores at a time (lanes past tn count as 0): rescale what was
          * accumulated when the maximum grows. */
         const int tv = (tn + W - 1) / W;
+        float alphas[H];
         for (int j = 0; j < H; j++) {
-            float tile_max = -FLT_MAX;
-            for (int t = 0; t < tn; t++) tile_max = s[j][t] > tile_max ? s[j][t] : tile_max;
+            vf lanes_max = (vf){0} - FLT_MAX;
+            for (int i = 0; i < tv; i++)
+                lanes_max = max_lanes(lanes_max, select_lanes(LANES < tn - W * i,
+                                                              load_f32(&s[j][W * i]),
+                                                              (vf){0} - FLT_MAX));
+            const float tile_max = hmax(lanes_max);
             const float new_m = tile_max > m[j] ? tile_max : m[j];
             const float alpha = exp_nonpos(m[j] - new_m);
             vf sum = {0};
             for (int i = 0; i < tv; i++) {
-                vf p = exp_nonpos_v(load_f32(&s[j][W * i]) - new_m);
-                vi live = LANES < tn - W * i;
-                vu bits;
-                memcpy(&bits, &p, sizeof p);
-                bits &= (vu)live;
-                memcpy(&p, &bits, sizeof p);
-                memcpy(&s[j][W * i], &p, sizeof p);
+                const vf p = select_lanes(LANES < tn - W * i,
+                                          exp_nonpos_v(load_f32(&s[j][W * i]) - new_m), (vf){0});
+                store_f32(&s[j][W * i], p);
                 sum += p;
             }
             l[j] = l[j] * alpha + hsum(sum);
             m[j] = new_m;
-            for (int c = 0; c < NV; c++) acc[j][c] *= alpha;
+            alphas[j] = alpha;
         }
-        for (int t = 0; t < tn; t++) {
-            if (t0 + t + PREFETCH < t_end) prefetch_row(v_cache, slots[t0 + t + PREFETCH], row_bytes);
-            const int64_t base = (int64_t)slots[t0 + t] * slot_stride;
-            for (int h = 0; h < Hkv; h++) {
-                vf v[NV];
-                load_row(v_cache, kv_bf16, base + (int64_t)h * D, NV, v);
-                for (int g = 0; g < G; g++) {
-                    const float p = s[h * G + g][t];
-                    for (int c = 0; c < NV; c++) acc[h * G + g][c] += p * v[c];
-                }
+        /* V rows of the tile: prefetched on the first head's pass, from cache after that. */
+        for (int h = 0; h < Hkv; h++) {
+            int g0 = 0;
+            for (; g0 + GB <= G; g0 += GB)
+                accumulate_v(v_cache, kv_bf16, slot_stride, slots, t0, t_end, tn, h, G, g0, NV,
+                             GB, h == 0 && g0 == 0, row_bytes, &s[0][0], alphas, acc_out);
+            switch (G - g0) { /* the last, partial group of queries: a constant count each */
+            case 3:
+                accumulate_v(v_cache, kv_bf16, slot_stride, slots, t0, t_end, tn, h, G, g0, NV,
+                             3, g0 == 0 && h == 0, row_bytes, &s[0][0], alphas, acc_out);
+                break;
+            case 2:
+                accumulate_v(v_cache, kv_bf16, slot_stride, slots, t0, t_end, tn, h, G, g0, NV,
+                             2, g0 == 0 && h == 0, row_bytes, &s[0][0], alphas, acc_out);
+                break;
+            case 1:
+                accumulate_v(v_cache, kv_bf16, slot_stride, slots, t0, t_end, tn, h, G, g0, NV,
+                             1, g0 == 0 && h == 0, row_bytes, &s[0][0], alphas, acc_out);
+                break;
             }
         }
     }
-    for (int j = 0; j < H; j++) memcpy(acc_out + j * D, acc[j], sizeof(float) * D);
 }
 
 /* attend_range specialised for the common query-group sizes and head dims. */
@@ -155,45 +243,153 @@ int paged_decode_supports(int H, int Hkv, int D) {
     return G >= 1 && G <= 8 && (D == 64 || D == 128);
 }
 
-/* Returns 0 on success, 1 when scratch memory could not be allocated, 2 for a shape
+/* Merge the parts of one request into out[H][D]: weigh each by e^(m_s - M), then divide by
+ * the weighed sum. A part is acc[H][D], m[H], l[H]; parts with l = 0 saw no token. */
+static void merge_parts(const float *first, int64_t num_parts, int64_t part_size, int H, int D,
+                        float *out) {
+    for (int j = 0; j < H; j++) {
+        float M = -FLT_MAX;
+        for (int64_t s = 0; s < num_parts; s++) {
+            const float *part = first + s * part_size;
+            if (part[(int64_t)H * D + H + j] > 0.f && part[(int64_t)H * D + j] > M)
+                M = part[(int64_t)H * D + j];
+        }
+        float *o = out + (int64_t)j * D;
+        for (int d = 0; d < D; d++) o[d] = 0.f;
+        float L = 0.f;
+        for (int64_t s = 0; s < num_parts; s++) {
+            const float *part = first + s * part_size;
+            float ls = part[(int64_t)H * D + H + j];
+            if (ls <= 0.f) continue;
+            float w = exp_nonpos(part[(int64_t)H * D + j] - M);
+            L += ls * w;
+            const float *a = part + (int64_t)j * D;
+            for (int d = 0; d < D; d++) o[d] += a[d] * w;
+        }
+        float inv = L > 0.f ? 1.f / L : 0.f;
+        for (int d = 0; d < D; d++) o[d] *= inv;
+    }
+}
+
+/* Shared prefixes (the radix cache's doing: requests that matched the same cached prefix hold
+ * the same KV slots for it). leaders[b] is the first request of b's group and shared_lens[b]
+ * the group's common prefix in tokens (0: b shares nothing; then leaders[b] = b). A group's
+ * prefix is read in chunks of SHARED_CHUNK tokens, one work item per chunk that attends every
+ * member's queries to it in turn: the first member reads the chunk's K/V rows from memory,
+ * the others find them in L2 (K and V of 256 tokens, 3 KV heads of 64 floats: 384 KB). Each
+ * member's tokens past the prefix are its own items, split as without sharing; the parts of a
+ * request are merged at the end by their maxima and sums. leaders and shared_lens may both be
+ * NULL: nothing shared.
+ *
+ * Returns 0 on success, 1 when scratch memory could not be allocated, 2 for a shape
  * paged_decode_supports rejects. */
 int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int kv_bf16,
                            int64_t slot_stride, const int32_t *req_to_token, int64_t r2t_stride,
-                           const int64_t *pool_rows, const int64_t *seq_lens, int B, int H,
+                           const int64_t *pool_rows, const int64_t *seq_lens,
+                           const int64_t *leaders, const int64_t *shared_lens, int B, int H,
                            int Hkv, int D, float scale, float *out, int num_threads) {
     if (!paged_decode_supports(H, Hkv, D)) return 2;
     const int G = H / Hkv;
-    int64_t max_len = 0;
-    for (int b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    if (shared_lens == NULL || leaders == NULL) {
+        /* Nothing shared: every request its own leader, with no common prefix. */
+        int64_t *none = (int64_t *)calloc((size_t)(2 * B) + 1, sizeof(int64_t));
+        if (none == NULL) return 1;
+        for (int b = 0; b < B; b++) none[b] = b;
+        const int status = paged_decode_attention(q, k_cache, v_cache, kv_bf16, slot_stride,
+                                                  req_to_token, r2t_stride, pool_rows, seq_lens,
+                                                  none, none + B, B, H, Hkv, D, scale, out,
+                                                  num_threads);
+        free(none);
+        return status;
+    }
+    int64_t max_own = 0, max_chunks = 0, groups = 0, shared_items = 0;
+    for (int b = 0; b < B; b++) {
+        const int64_t own = seq_lens[b] - shared_lens[b];
+        const int64_t chunks = (shared_lens[b] + SHARED_CHUNK - 1) / SHARED_CHUNK;
+        max_own = own > max_own ? own : max_own;
+        max_chunks = chunks > max_chunks ? chunks : max_chunks;
+        if (leaders[b] == b && chunks > 0) {
+            groups++;
+            shared_items += chunks;
+        }
+    }
     /* Enough items to keep every thread busy, without splits shorter than MIN_SPLIT_TOKENS. */
     int64_t items_wanted = 4 * (int64_t)num_threads;
     int64_t splits = (items_wanted + B - 1) / B;
-    int64_t max_splits = (max_len + MIN_SPLIT_TOKENS - 1) / MIN_SPLIT_TOKENS;
+    int64_t max_splits = (max_own + MIN_SPLIT_TOKENS - 1) / MIN_SPLIT_TOKENS;
     if (splits > max_splits) splits = max_splits;
     if (splits < 1) splits = 1;
-    const int64_t num_items = (int64_t)B * splits;
-
-    /* Partial results per item: acc[H][D], then m[H], then l[H]. */
+    /* Request b's parts: its prefix chunks (parts [0, chunks)), then its own splits (parts
+     * [max_chunks, max_chunks + splits)). With one part in all, items write out directly. */
+    const int64_t parts_per_req = max_chunks + splits;
+    const int direct = parts_per_req == 1;
     const int64_t part_size = (int64_t)H * (D + 2);
     float *parts = NULL;
-    if (splits > 1) {
-        parts = (float *)malloc(sizeof(float) * (size_t)(num_items * part_size));
-        if (parts == NULL) return 1;
+    int64_t *members = NULL, *member_begin = NULL, *item_leader = NULL;
+    if (!direct) {
+        parts = (float *)malloc(sizeof(float) * (size_t)(B * parts_per_req * part_size));
+        /* Members of each leader's group, contiguous (a counting sort by leader), and the
+         * leader and chunk of each shared item. */
+        members = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * B + 1 + shared_items + 1));
+        if (parts == NULL || members == NULL) {
+            free(parts);
+            free(members);
+            return 1;
+        }
+        member_begin = members + B;
+        item_leader = member_begin + B + 1;
+        for (int b = 0; b <= B; b++) member_begin[b] = 0;
+        for (int b = 0; b < B; b++)
+            if (shared_lens[b] > 0) member_begin[leaders[b] + 1]++;
+        for (int b = 0; b < B; b++) member_begin[b + 1] += member_begin[b];
+        int64_t fill[B];
+        for (int b = 0; b < B; b++) fill[b] = member_begin[b];
+        for (int b = 0; b < B; b++)
+            if (shared_lens[b] > 0) members[fill[leaders[b]]++] = b;
+        int64_t i = 0;
+        for (int b = 0; b < B; b++)
+            if (leaders[b] == b && shared_lens[b] > 0)
+                for (int64_t c = 0; c * SHARED_CHUNK < shared_lens[b]; c++)
+                    item_leader[i++] = b * max_chunks + c;
+        /* A request's unused prefix-chunk parts saw no token. */
+        for (int b = 0; b < B; b++)
+            for (int64_t c = (shared_lens[b] + SHARED_CHUNK - 1) / SHARED_CHUNK; c < max_chunks;
+                 c++) {
+                float *part = parts + (b * parts_per_req + c) * part_size;
+                for (int j = 0; j < H; j++) part[(int64_t)H * D + H + j] = 0.f;
+            }
     }
+    const int64_t num_items = shared_items + (int64_t)B * splits;
 
+    /* Shared items first: they are the longest (every member of a group). */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t item = 0; item < num_items; item++) {
-        int b = (int)(item / splits);
-        int64_t split = item % splits;
-        int64_t n = seq_lens[b];
-        int64_t chunk = (n + splits - 1) / splits;
-        int64_t t_begin = split * chunk;
-        int64_t t_end = t_begin + chunk < n ? t_begin + chunk : n;
-        const int32_t *slots = req_to_token + pool_rows[b] * r2t_stride;
-        const float *qb = q + (int64_t)b * H * D;
         float m[H], l[H];
-        if (splits == 1) {
-            float *acc = out + (int64_t)b * H * D;
+        if (item < shared_items) {
+            const int64_t g = item_leader[item] / max_chunks, c = item_leader[item] % max_chunks;
+            const int64_t t_begin = c * SHARED_CHUNK;
+            const int64_t t_end = t_begin + SHARED_CHUNK < shared_lens[g] ? t_begin + SHARED_CHUNK
+                                                                          : shared_lens[g];
+            for (int64_t i = member_begin[g]; i < member_begin[g + 1]; i++) {
+                const int64_t b = members[i];
+                float *part = parts + (b * parts_per_req + c) * part_size;
+                attend_dispatch(q + b * H * D, k_cache, v_cache, kv_bf16, slot_stride,
+                                req_to_token + pool_rows[b] * r2t_stride, t_begin, t_end, Hkv, G,
+                                D, scale, part, m, l);
+                memcpy(part + (int64_t)H * D, m, sizeof(float) * H);
+                memcpy(part + (int64_t)H * D + H, l, sizeof(float) * H);
+            }
+            continue;
+        }
+        const int64_t b = (item - shared_items) / splits, split = (item - shared_items) % splits;
+        const int64_t own_begin = shared_lens[b], n = seq_lens[b];
+        const int64_t chunk = (n - own_begin + splits - 1) / splits;
+        const int64_t t_begin = own_begin + split * chunk;
+        const int64_t t_end = t_begin + chunk < n ? t_begin + chunk : n;
+        const int32_t *slots = req_to_token + pool_rows[b] * r2t_stride;
+        const float *qb = q + b * H * D;
+        if (direct) {
+            float *acc = out + b * H * D;
             attend_dispatch(qb, k_cache, v_cache, kv_bf16, slot_stride, slots, t_begin, t_end,
                             Hkv, G, D, scale, acc, m, l);
             for (int j = 0; j < H; j++) {
@@ -201,7 +397,7 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
                 for (int d = 0; d < D; d++) acc[j * D + d] *= inv;
             }
         } else {
-            float *part = parts + item * part_size;
+            float *part = parts + (b * parts_per_req + max_chunks + split) * part_size;
             attend_dispatch(qb, k_cache, v_cache, kv_bf16, slot_stride, slots, t_begin, t_end,
                             Hkv, G, D, scale, part, m, l);
             memcpy(part + (int64_t)H * D, m, sizeof(float) * H);
@@ -209,35 +405,13 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
         }
     }
 
-    if (splits > 1) {
-        /* Merge the splits of each request: weigh each by e^(m_s - M). */
+    if (!direct) {
 #pragma omp parallel for num_threads(num_threads)
-        for (int b = 0; b < B; b++) {
-            const float *first = parts + (int64_t)b * splits * part_size;
-            for (int j = 0; j < H; j++) {
-                float M = -FLT_MAX;
-                for (int64_t s = 0; s < splits; s++) {
-                    const float *part = first + s * part_size;
-                    if (part[(int64_t)H * D + H + j] > 0.f && part[(int64_t)H * D + j] > M)
-                        M = part[(int64_t)H * D + j];
-                }
-                float *o = out + ((int64_t)b * H + j) * D;
-                for (int d = 0; d < D; d++) o[d] = 0.f;
-                float L = 0.f;
-                for (int64_t s = 0; s < splits; s++) {
-                    const float *part = first + s * part_size;
-                    float ls = part[(int64_t)H * D + H + j];
-                    if (ls <= 0.f) continue;
-                    float w = exp_nonpos(part[(int64_t)H * D + j] - M);
-                    L += ls * w;
-                    const float *a = part + (int64_t)j * D;
-                    for (int d = 0; d < D; d++) o[d] += a[d] * w;
-                }
-                float inv = L > 0.f ? 1.f / L : 0.f;
-                for (int d = 0; d < D; d++) o[d] *= inv;
-            }
-        }
+        for (int b = 0; b < B; b++)
+            merge_parts(parts + b * parts_per_req * part_size, parts_per_req, part_size, H, D,
+                        out + (int64_t)b * H * D);
         free(parts);
+        free(members);
     }
     return 0;
 }

@@ -58,18 +58,6 @@ static int longest_first(const void *x, const void *y) {
     return (a < b) - (a > b);
 }
 
-/* Lanes of x where `pick` is set, of y elsewhere. */
-static inline vf select_lanes(vi pick, vf x, vf y) {
-    vu xb, yb;
-    memcpy(&xb, &x, sizeof x);
-    memcpy(&yb, &y, sizeof y);
-    xb = (xb & (vu)pick) | (yb & ~(vu)pick);
-    memcpy(&x, &xb, sizeof x);
-    return x;
-}
-
-static inline vf max_lanes(vf x, vf y) { return select_lanes(x > y, x, y); }
-
 /* Rows [0, tn) of a tile in float32: head h of the tokens at slots[0..tn), K into kb[t][d]
  * and V into vb[t][d]; rows tn..KT are zero. */
 static void load_tiles(const void *k_cache, const void *v_cache, int kv_bf16,

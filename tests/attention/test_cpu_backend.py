@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from attention import cpu_kernels, create_attention_backend
+from attention import cpu_backend, cpu_kernels, create_attention_backend
 from attention.cpu_backend import CpuAttnBackend
 from attention.registry import resolve_attention_backend
 from attention.torch_native_backend import TorchNativeAttnBackend
@@ -96,15 +96,66 @@ def test_decode_over_shared_prefix_slots(dtype, num_heads, num_kv_heads, head_di
         dtype, num_heads, num_kv_heads, head_dim, tails, prefixes
     )
     scale = head_dim**-0.5
-    out = KERNEL(q, k_cache, v_cache, r2t, pool_rows, seq_lens, num_heads, scale)
-    for b, row in enumerate(rows):
-        got = out[b].view(num_heads, head_dim).double()
-        if len(row) == 0:
-            assert (got == 0).all()
-            continue
-        k, v = k_cache[row.long()], v_cache[row.long()]
-        ref = reference_attention(q[b].view(1, num_heads, head_dim), k, v, len(row) - 1, scale)
-        assert (got - ref[0]).abs().max().item() < 1e-5, b  # float32 math over the same K/V
+    shared = cpu_kernels.shared_prefixes(r2t, pool_rows, seq_lens, min_tokens=1)
+    # Found: the three groups, each member's common prefix; the last token of the shortest
+    # member (300 group slots and nothing of its own) stays out of its group's prefix.
+    assert shared.leaders.tolist() == [0, 1, 0, 3, 4, 1, 3, 0, 8]
+    assert shared.lens.tolist() == [299, 40, 299, 10, 0, 40, 10, 299, 0]
+    assert shared.groups == 3
+    for plan in (None, shared):
+        out = KERNEL(q, k_cache, v_cache, r2t, pool_rows, seq_lens, num_heads, scale, plan)
+        for b, row in enumerate(rows):
+            got = out[b].view(num_heads, head_dim).double()
+            if len(row) == 0:
+                assert (got == 0).all()
+                continue
+            k, v = k_cache[row.long()], v_cache[row.long()]
+            ref = reference_attention(
+                q[b].view(1, num_heads, head_dim), k, v, len(row) - 1, scale
+            )
+            assert (got - ref[0]).abs().max().item() < 1e-5, (plan is None, b)
+
+
+@needs_kernel
+def test_shared_prefixes_planner_thresholds():
+    """Prefixes shorter than the threshold are not grouped; a lone request and a batch of one
+    plan nothing; a group whose members diverge after 100 slots shares exactly those 100."""
+    prefixes = [(0, 100), (0, 100), (1, 30), (1, 30), (2, 0)]
+    q, k_cache, v_cache, r2t, pool_rows, seq_lens, _ = shared_prefix_batch(
+        torch.float32, 9, 3, 64, [50, 7, 9, 9, 200], prefixes
+    )
+    shared = cpu_kernels.shared_prefixes(r2t, pool_rows, seq_lens)  # default: 64 tokens
+    assert shared.lens.tolist() == [100, 100, 0, 0, 0]
+    assert shared.leaders.tolist() == [0, 0, 2, 3, 4]
+    assert cpu_kernels.shared_prefixes(r2t, pool_rows[2:], seq_lens[2:]) is None
+    assert cpu_kernels.shared_prefixes(r2t, pool_rows[:1], seq_lens[:1]) is None
+    out = KERNEL(q, k_cache, v_cache, r2t, pool_rows, seq_lens, 9, 0.125, shared)
+    plain = KERNEL(q, k_cache, v_cache, r2t, pool_rows, seq_lens, 9, 0.125)
+    torch.testing.assert_close(out, plain, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_decode_step_plans_shared_prefixes_once(monkeypatch):
+    """The backend plans the shared prefixes of a decode batch once per step (not per layer),
+    from the pool's req_to_token: requests extended from one cached prefix share its slots,
+    and both layers' outputs still equal the reference."""
+    plans = []
+
+    def recording(*args, **kwargs):  # a spy around the real planner
+        plans.append(cpu_kernels.shared_prefixes(*args, **kwargs))
+        return plans[-1]
+
+    monkeypatch.setattr(cpu_backend, "shared_prefixes", recording)
+    h = cpu_harness(9, 3, torch.float32)
+    h.step([(0, 200)])
+    h.fork(0, 1)  # requests 1 and 2 hold request 0's 200 slots, as radix-cache hits do
+    h.fork(0, 2)
+    h.step([(1, 5), (2, 70)])
+    assert plans == []  # extend batches plan nothing
+    for _ in range(2):
+        assert h.step([(0, 1), (1, 1), (2, 1)]) < TOL[torch.float32]
+    assert len(plans) == 2  # one per decode step, for both layers
+    assert plans[0].leaders.tolist() == [0, 0, 0] and plans[0].lens.tolist() == [200] * 3
 
 
 @needs_kernel

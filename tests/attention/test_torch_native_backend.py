@@ -49,6 +49,13 @@ class Harness:
     def randn(self, *shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=self.gen).to(self.builder.device, self.dtype)
 
+    def fork(self, src: int, dst: int) -> None:
+        """Request `dst` starts with `src`'s cached tokens, on the same KV slots."""
+        shared = self.builder.share_prefix(src, dst)
+        for layer in self.layers:
+            k_all, v_all = self.history[(layer.layer_id, src)]
+            self.history[(layer.layer_id, dst)] = (k_all[:shared], v_all[:shared])
+
     def step(self, new_lens: list[tuple[int, int]], mode: ForwardMode | None = None) -> float:
         """Run one batch through both layers; return the max abs error vs the reference."""
         prefix_lens = {rid: self.builder.seq_lens.get(rid, 0) for rid, _ in new_lens}

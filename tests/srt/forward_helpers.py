@@ -63,6 +63,18 @@ class ForwardBatchBuilder:
             slots.append(pages[pos // self.page_size] * self.page_size + pos % self.page_size)
         return slots
 
+    def share_prefix(self, src: int, dst: int) -> int:
+        """New request `dst` starts with `src`'s tokens on the very same KV slots, as a radix
+        cache hit leaves them (whole pages only); returns the tokens shared."""
+        assert dst not in self.rows
+        shared = self.seq_lens[src] // self.page_size * self.page_size
+        row = self.rows.setdefault(dst, len(self.rows))
+        self._pages[dst] = list(self._pages[src][: shared // self.page_size])
+        r2t = self.req_to_token_pool.req_to_token
+        r2t[row, :shared] = r2t[self.rows[src], :shared]
+        self.seq_lens[dst] = shared
+        return shared
+
     def build(
         self,
         new_tokens: list[tuple[int, list[int]]],
