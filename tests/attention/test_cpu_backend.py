@@ -110,9 +110,7 @@ def test_decode_over_shared_prefix_slots(dtype, num_heads, num_kv_heads, head_di
                 assert (got == 0).all()
                 continue
             k, v = k_cache[row.long()], v_cache[row.long()]
-            ref = reference_attention(
-                q[b].view(1, num_heads, head_dim), k, v, len(row) - 1, scale
-            )
+            ref = reference_attention(q[b].view(1, num_heads, head_dim), k, v, len(row) - 1, scale)
             assert (got - ref[0]).abs().max().item() < 1e-5, (plan is None, b)
 
 
