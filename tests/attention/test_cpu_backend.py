@@ -317,3 +317,14 @@ def test_extend_kernel_refuses_a_shape_it_has_no_case_for():
             2,
             0.125,
         )
+
+
+def test_attention_range_only_under_a_profiler():
+    """A layer's call shows as an "attention" range in a profile (bench_offline --profile
+    reads it); outside a profiler the layer runs the same without entering the range."""
+    h = Harness(4, 2, torch.float32)
+    assert h.step([(0, 5), (1, 3)]) < TOL[torch.float32]  # no profiler
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        assert h.step([(0, 1), (1, 1)]) < TOL[torch.float32]
+    names = [e.name for e in prof.events()]
+    assert names.count("attention") == len(h.layers)
