@@ -8,6 +8,8 @@
 - `packed_linear_kernel()`: linear layers against a weight packed once at load (float32; bf16
   where the CPU has AVX512_BF16), for small row counts (`csrc/packed_linear.c`; used by
   `srt/layers/cpu_packed.py`).
+- `decode_layer_kernel()`: one decoder layer of a decode step in one call (`csrc/decode_layer.c`,
+  which includes the three sources above and runs their kernels in the layer's order).
 - `layer_ops_kernel()`: the elementwise layer ops of `csrc/layer_ops.c` (RMSNorm with the
   residual add fused, SiLU-and-mul, RoPE), with the call signatures of the CUDA fused-op
   providers, so `srt/layers/fused_kernels.py` hands them to the layers the same way.
@@ -18,9 +20,9 @@ machine); the caller then keeps its torch path. Every source includes `csrc/cpu_
 Build: `gcc -O3 -fopenmp -shared` with `-march=native`, or `-march=x86-64-v3` when
 `ATEN_CPU_CAPABILITY=avx2` caps torch to AVX2 (so a capped run measures an AVX2 machine). The
 library is cached under `$RADIXRT_CACHE_DIR` (default `~/.cache/radixrt`)/kernels, named by a
-hash of the source, the flags, the compiler version and the CPU's flags, and written through
-a temporary file and a rename so concurrent processes never load a half-written file. The hash
-covers the shared headers too. A build takes a few seconds; later processes only load the file.
+hash of every csrc/ source and header, the flags, the compiler version and the CPU's flags, and
+written through a temporary file and a rename so concurrent processes never load a
+half-written file. A build takes a few seconds; later processes only load the file.
 
 ctypes releases the GIL for the call, so the overlap loop's scheduler thread runs while a
 forward is inside the kernel. The kernel's OpenMP threads come from the libgomp torch has
@@ -86,9 +88,10 @@ def build_library(source: str) -> Path:
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=False
     ).stdout
-    headers = [h.read_text() for h in sorted(_CSRC.glob("*.h"))]
+    # Every source and header: a source may include another (decode_layer.c does).
+    sources = [f.read_text() for f in sorted(_CSRC.glob("*.[ch]"))]
     key = hashlib.sha256(
-        "\0".join([src.read_text(), *headers, " ".join(flags), version, _cpu_flags()]).encode()
+        "\0".join([src.read_text(), *sources, " ".join(flags), version, _cpu_flags()]).encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"{src.stem}-{key}.so"
     if target.exists():
@@ -404,6 +407,20 @@ class PackedLinearKernel:
         if status:
             raise ValueError(f"packed linear: no bfloat16 kernel for K = {k} (odd)")
         return out.view(*x.shape[:-1], out_features)
+
+
+def _decode_layer(library: ctypes.CDLL) -> Callable[..., int]:
+    fn = library.decode_layer
+    fn.argtypes = [ctypes.c_void_p] * 5
+    fn.restype = ctypes.c_int
+    return fn
+
+
+@functools.cache
+def decode_layer_kernel() -> Callable[..., int] | None:
+    """`decode_layer` of csrc/decode_layer.c (one decoder layer of a decode step; called by
+    srt/layers/cpu_decode_layer.py), or None where it cannot be built."""
+    return _load("decode_layer.c", _decode_layer, "CPU fused decode layer")
 
 
 @functools.cache

@@ -223,6 +223,11 @@ class ServerArgs:
         "CPU: the layers' torch code instead of the compiled RMSNorm (with the residual add), "
         "SiLU-and-mul and RoPE",
     )
+    disable_cpu_fused_decode: bool = _opt(
+        False,
+        "CPU: run a decode step's decoder layers module by module instead of one compiled call "
+        "per layer (same kernels, same results)",
+    )
     cuda_graph_max_bs: int = _opt(
         160, "largest decode batch captured in a CUDA graph (1, 2, 4, 8, then every 8)"
     )

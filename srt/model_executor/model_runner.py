@@ -4,7 +4,9 @@ decode CUDA graphs.
 On CPU the matmul weights are prepacked for oneDNN right after loading
 (`srt/layers/cpu_packed.py`; `--disable-cpu-weight-prepack` turns it off), and the norms, the
 gated activation and RoPE get the compiled CPU layer ops (`fused_kernels.enable_cpu_ops`;
-`--disable-cpu-fused-ops` turns it off).
+`--disable-cpu-fused-ops` turns it off); with both, a float32 Llama-family model's decode
+steps run one compiled call per decoder layer (`srt/layers/cpu_decode_layer.py`;
+`--disable-cpu-fused-decode` turns that off).
 
 Construction order matters on a GPU: the weights load, then the attention backend (its
 workspace is resident memory too), then the KV pool is sized from what is left
@@ -35,6 +37,7 @@ from mem_cache.allocator import TokenToKVPoolAllocator
 from mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from srt.configs.model_config import ModelConfig
 from srt.distributed import TPGroup, head_layout
+from srt.layers.cpu_decode_layer import enable_fused_decode
 from srt.layers.cpu_packed import prepack_cpu_weights
 from srt.layers.fused_kernels import enable_cpu_ops
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner
@@ -104,6 +107,8 @@ class ModelRunner:
             prepack_cpu_weights(self.model)  # before the KV pool takes its share of free RAM
         if self.device == "cpu" and not server_args.disable_cpu_fused_ops:
             enable_cpu_ops(self.model)
+            if not server_args.disable_cpu_fused_decode:
+                enable_fused_decode(self.model)  # needs the packed panels and the layer ops
         self.attn_backend_name = resolve_attention_backend(
             server_args.attention_backend, self.device, model_config.dtype
         )

@@ -32,6 +32,7 @@ from srt.layers.vocab_embedding import LMHead, VocabEmbedding
 from srt.layers.weight_utils import get_weight_loader
 
 if TYPE_CHECKING:
+    from srt.layers.cpu_decode_layer import FusedDecode
     from srt.model_executor.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
@@ -205,14 +206,21 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Set by srt.layers.cpu_decode_layer.enable_fused_decode (CPU, every layer qualifies).
+        self.fused_decode: FusedDecode | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual, forward_batch)
+        fused = self.fused_decode  # CPU decode batches: one compiled call per layer
+        ran = None if fused is None else fused.run(positions, hidden_states, forward_batch)
+        if ran is not None:
+            hidden_states, residual = ran
+        else:
+            for layer in self.layers:
+                hidden_states, residual = layer(positions, hidden_states, residual, forward_batch)
         if residual is None:
             return self.norm(hidden_states)
         hidden_states, _ = self.norm(hidden_states, residual)

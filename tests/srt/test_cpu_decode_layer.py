@@ -1,0 +1,173 @@
+"""The fused CPU decode layer (srt/layers/cpu_decode_layer.py, attention/csrc/decode_layer.c)
+against the modules it replaces, which run the same kernels one call at a time: equal logits
+and equal KV pools, bit for bit; and against HF's logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+from attention.cpu_backend import CpuAttnBackend
+from attention.cpu_kernels import decode_layer_kernel
+from srt.layers.cpu_decode_layer import FusedDecode, enable_fused_decode
+from srt.layers.cpu_packed import SMALL_ROWS, prepack_cpu_weights
+from tests.srt.forward_helpers import ForwardBatchBuilder
+from tests.srt.test_models import build_pair, hf_logits
+
+pytestmark = pytest.mark.skipif(
+    decode_layer_kernel() is None, reason="no C compiler: the fused decode layer cannot build"
+)
+
+# Head dim 64 (the decode kernel's), query groups of 2 and 3; rope partial / llama3 covered
+# by the kernels' own tests.
+SHAPE = {
+    "vocab_size": 256,
+    "hidden_size": 256,
+    "intermediate_size": 320,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+}
+CONFIGS = {
+    "llama": LlamaConfig(**SHAPE),
+    "qwen2_qkv_bias": Qwen2Config(**SHAPE),
+    "llama_gqa3_tied": LlamaConfig(
+        **{**SHAPE, "num_attention_heads": 6, "hidden_size": 384}, tie_word_embeddings=True
+    ),
+}
+
+
+def fused_model(name: str):
+    hf, ours = build_pair(CONFIGS[name], layer_ops="cpu")
+    assert prepack_cpu_weights(ours) > 0
+    fused = enable_fused_decode(ours)
+    assert isinstance(fused, FusedDecode) and ours.model.fused_decode is fused
+    return hf, ours, fused
+
+
+def builder(config) -> ForwardBatchBuilder:
+    head_dim = config.hidden_size // config.num_attention_heads
+    backend = CpuAttnBackend(
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=head_dim,
+        dtype=torch.float32,
+    )
+    return ForwardBatchBuilder(
+        config.num_hidden_layers,
+        config.num_key_value_heads,
+        head_dim,
+        num_slots=2048,
+        max_reqs=80,
+        max_context_len=512,
+        backend=backend,
+    )
+
+
+def serve(model, fused: FusedDecode | None, prompts: list[list[int]], steps: int):
+    """Prefill `prompts`, fork request 0's cached prefix into one more request (a radix hit:
+    the same KV slots; the first prompt is longer than MIN_SHARED_TOKENS, so every decode
+    step plans it as a shared prefix), then decode `steps` tokens for all; returns the decode
+    steps' logits, the final pool and the requests' token lists."""
+    model.model.fused_decode = fused
+    b = builder(model.config)
+    seqs = [list(p) for p in prompts]
+    run, plans = [], []
+    with torch.no_grad():
+        batch = b.build(list(enumerate(seqs)))
+        model(batch.input_ids, batch.positions, batch)
+        shared = b.share_prefix(0, len(seqs))
+        seqs.append(seqs[0][:shared] + [5, 6, 7])
+        batch = b.build([(len(seqs) - 1, [5, 6, 7])])
+        model(batch.input_ids, batch.positions, batch)
+        for step in range(steps):
+            for rid, seq in enumerate(seqs):
+                seq.append((11 * step + 29 * rid) % 256)
+            batch = b.build([(rid, [seq[-1]]) for rid, seq in enumerate(seqs)])
+            plans.append(batch.attn_metadata)
+            run.append(model(batch.input_ids, batch.positions, batch))
+    assert all(plan is not None and plan.groups == 1 for plan in plans)  # the fork's prefix
+    return run, b.kv_pool, seqs
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_fused_decode_equals_the_modules_bitwise(name: str):
+    """Same logits and same K/V in the pool, bit for bit, as the layer modules; the shared
+    prefix of the forked request is planned and read once (the backend's plan reaches the
+    kernel); and the logits match HF's."""
+    hf, ours, fused = fused_model(name)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (80, 3, 150)]
+    calls = []
+    kernel = fused._kernel
+
+    def counting(*args):  # a spy: the fused path really runs, one call per layer and step
+        calls.append(args)
+        return kernel(*args)
+
+    fused._kernel = counting
+    got, got_pool, seqs = serve(ours, fused, prompts, steps=4)
+    assert len(calls) == 4 * ours.config.num_hidden_layers
+    want, want_pool, _ = serve(ours, None, prompts, steps=4)
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), step
+    for layer in range(ours.config.num_hidden_layers):
+        for got_kv, want_kv in zip(
+            got_pool.get_kv_buffer(layer), want_pool.get_kv_buffer(layer), strict=True
+        ):
+            assert torch.equal(got_kv, want_kv), layer
+    for rid, seq in enumerate(seqs):
+        expected = hf_logits(hf, seq)[-1]
+        torch.testing.assert_close(got[-1][rid], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_batches_it_does_not_take_run_the_modules():
+    """Extend batches and decode batches over the panels' row limit return None from `run`
+    (the modules' loop runs them) and still give the modules' results."""
+    _, ours, fused = fused_model("llama")
+    config = ours.config
+    b = builder(config)
+    prompts = [[(7 * i + j) % 256 for j in range(4)] for i in range(SMALL_ROWS + 1)]
+    with torch.no_grad():
+        batch = b.build(list(enumerate(prompts)))
+        hidden = ours.model.embed_tokens(batch.input_ids)
+        assert fused.run(batch.positions, hidden, batch) is None  # extend
+        batch = b.build([(rid, [1]) for rid in range(SMALL_ROWS + 1)])
+        hidden = ours.model.embed_tokens(batch.input_ids)
+        assert fused.run(batch.positions, hidden, batch) is None  # 65 rows
+        logits = ours(batch.input_ids, batch.positions, batch)
+    assert logits.shape == (SMALL_ROWS + 1, 256) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize(
+    ("config", "dtype", "why"),
+    [
+        (Qwen3Config(**SHAPE, head_dim=64), torch.float32, "q/k norm"),
+        (LlamaConfig(**SHAPE), torch.bfloat16, "float32"),
+    ],
+)
+def test_models_it_cannot_run_keep_the_modules(config, dtype, why, caplog):
+    """Qwen3 (q/k norms) and bfloat16 weights: no fused decode, with the reason logged."""
+    _, ours = build_pair(config, dtype, layer_ops="cpu")
+    prepack_cpu_weights(ours)
+    with caplog.at_level("INFO", logger="srt.layers.cpu_decode_layer"):
+        assert enable_fused_decode(ours) is None
+    assert ours.model.fused_decode is None
+    assert why in caplog.text
+
+
+def test_position_outside_the_rope_cache_is_an_index_error():
+    """A position past the RoPE cache fails the step with an IndexError, as the modules do."""
+    _, ours, fused = fused_model("llama")
+    b = builder(ours.config)
+    with torch.no_grad():
+        batch = b.build([(0, [1, 2, 3])])
+        ours(batch.input_ids, batch.positions, batch)
+        batch = b.build([(0, [4])])
+        batch.positions[0] = ours.config.max_position_embeddings
+        hidden = ours.model.embed_tokens(batch.input_ids)
+        with pytest.raises(IndexError, match="RoPE cache"):
+            fused.run(batch.positions, hidden, batch)
