@@ -1,4 +1,4 @@
-/* One decoder layer of a CPU decode step (Llama family, float32) in one call.
+/* One decoder layer of a CPU decode step (Llama family, float32 or bfloat16) in one call.
  *
  * Built at first use by attention/cpu_kernels.py and called through ctypes by
  * srt/layers/cpu_decode_layer.py, once per layer and step. The same kernels the layer's
@@ -19,79 +19,109 @@
 #include "paged_decode.c"
 
 /* What a layer keeps from load to unload: weights (the packed panels of packed_linear.c),
- * shapes, the RoPE cache and this layer's K/V buffers in the pool. */
+ * shapes, the RoPE cache and this layer's K/V buffers in the pool. Weights, activations and
+ * the pool are float32, or bfloat16 with `bf16` set (where the panels exist: AVX512_BF16). */
 typedef struct {
-    const float *input_norm, *post_norm;
+    const void *input_norm, *post_norm;
     float input_eps, post_eps;
-    const float *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
+    const void *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
     int64_t hidden, inter, q_heads, kv_heads, head_dim;
     const float *cos_sin;
     int64_t max_position, rot;
     int32_t neox;
     float scale;
-    float *k_cache, *v_cache;
+    void *k_cache, *v_cache;
     int64_t slot_stride;
+    int32_t bf16;
 } DecodeLayer;
 
 /* One step's batch (rows = running requests) and scratch buffers, each `rows` rows wide as
- * named: normed [hidden], qkv [(q_heads + 2 kv_heads) head_dim], q and attn [q_heads
- * head_dim], o [hidden], gate_up [2 inter], act [inter]. leaders / shared_lens may be NULL. */
+ * named: normed [hidden], qkv [(q_heads + 2 kv_heads) head_dim], o [hidden], gate_up
+ * [2 inter], act [inter] and attn_act [q_heads head_dim] in the activation dtype; q and attn
+ * [q_heads head_dim] float32 (the attention kernel's input and output). leaders /
+ * shared_lens may be NULL. */
 typedef struct {
     int64_t rows;
     const int64_t *positions, *out_cache_loc;
     const int32_t *req_to_token;
     int64_t r2t_stride;
     const int64_t *pool_rows, *seq_lens, *leaders, *shared_lens;
-    float *normed, *qkv, *q, *attn, *o, *gate_up, *act;
+    void *normed, *qkv, *o, *gate_up, *act, *attn_act;
+    float *q, *attn;
     int32_t threads;
 } DecodeStep;
 
+/* out = x W (+ bias) in the layer's dtype; 0, or 2 (bf16 with an odd K, or no bf16 kernel). */
+static int linear(const DecodeLayer *L, const void *x, int64_t K, const void *w,
+                  const void *bias, int64_t B, int64_t N, void *out, int threads) {
+    if (!L->bf16) {
+        packed_linear(x, K, w, bias, (int)B, (int)N, (int)K, out, N, threads);
+        return 0;
+    }
+#if defined(__AVX512BF16__)
+    return packed_linear_bf16(x, K, w, bias, (int)B, (int)N, (int)K, out, N, threads);
+#else
+    return 2;
+#endif
+}
+
 /* x [rows, hidden] (overwritten), residual [rows, hidden] or NULL for the first layer (then
  * x becomes the residual), out [rows, hidden]. Returns 0; 2 for a position outside the RoPE
- * cache or a head shape the attention kernel has no case for (nothing is written to the pool
- * in the first case); 1 when the attention's scratch could not be allocated. */
-int decode_layer(const DecodeLayer *L, const DecodeStep *S, float *x, float *residual,
-                 float *out) {
+ * cache (nothing is written to the pool), a head shape the attention kernel has no case for,
+ * or a bfloat16 matmul this build cannot run; 1 when the attention's scratch could not be
+ * allocated. In bfloat16 the values are rounded where the modules round them: q is widened
+ * to float32 for the attention kernel and its output rounded back. */
+int decode_layer(const DecodeLayer *L, const DecodeStep *S, void *x, void *residual,
+                 void *out) {
     const int64_t B = S->rows, hidden = L->hidden, D = L->head_dim;
     const int64_t q_dim = L->q_heads * D, kv_dim = L->kv_heads * D, n_qkv = q_dim + 2 * kv_dim;
-    const int threads = S->threads;
-    float *h;
+    const int threads = S->threads, bf16 = L->bf16;
+    const size_t elem = bf16 ? 2 : 4;
+    void *h;
     if (residual == NULL) {
-        rmsnorm_rows(x, hidden, NULL, 0, L->input_norm, S->normed, hidden, B, hidden, 0,
+        rmsnorm_rows(x, hidden, NULL, 0, L->input_norm, S->normed, hidden, B, hidden, bf16,
                      L->input_eps, threads);
         residual = x;
         h = S->normed;
     } else {
-        rmsnorm_rows(x, hidden, residual, hidden, L->input_norm, x, hidden, B, hidden, 0,
+        rmsnorm_rows(x, hidden, residual, hidden, L->input_norm, x, hidden, B, hidden, bf16,
                      L->input_eps, threads);
         h = x;
     }
-    packed_linear(h, hidden, L->qkv, L->qkv_bias, (int)B, (int)n_qkv, (int)hidden, S->qkv, n_qkv,
-                  threads);
-    if (rope_rows(S->qkv, n_qkv, L->q_heads, S->qkv + q_dim, n_qkv, L->kv_heads, S->positions,
-                  L->cos_sin, L->max_position, B, D, L->rot, L->neox, 0, threads) != 0)
+    if (linear(L, h, hidden, L->qkv, L->qkv_bias, B, n_qkv, S->qkv, threads) != 0) return 2;
+    char *qkv = S->qkv;
+    if (rope_rows(qkv, n_qkv, L->q_heads, qkv + q_dim * elem, n_qkv, L->kv_heads, S->positions,
+                  L->cos_sin, L->max_position, B, D, L->rot, L->neox, bf16, threads) != 0)
         return 2;
     for (int64_t b = 0; b < B; b++) {
-        const float *row = S->qkv + b * n_qkv;
-        memcpy(L->k_cache + S->out_cache_loc[b] * L->slot_stride, row + q_dim,
-               sizeof(float) * (size_t)kv_dim);
-        memcpy(L->v_cache + S->out_cache_loc[b] * L->slot_stride, row + q_dim + kv_dim,
-               sizeof(float) * (size_t)kv_dim);
-        memcpy(S->q + b * q_dim, row, sizeof(float) * (size_t)q_dim);
+        const char *row = qkv + b * n_qkv * elem;
+        memcpy((char *)L->k_cache + S->out_cache_loc[b] * L->slot_stride * elem,
+               row + q_dim * elem, elem * (size_t)kv_dim);
+        memcpy((char *)L->v_cache + S->out_cache_loc[b] * L->slot_stride * elem,
+               row + (q_dim + kv_dim) * elem, elem * (size_t)kv_dim);
+        float *q = S->q + b * q_dim;
+        if (bf16)
+            for (int64_t i = 0; i < q_dim; i++) q[i] = bf16_to_f32(((const uint16_t *)row)[i]);
+        else
+            memcpy(q, row, sizeof(float) * (size_t)q_dim);
     }
     const int status = paged_decode_attention(
-        S->q, L->k_cache, L->v_cache, 0, L->slot_stride, S->req_to_token, S->r2t_stride,
+        S->q, L->k_cache, L->v_cache, bf16, L->slot_stride, S->req_to_token, S->r2t_stride,
         S->pool_rows, S->seq_lens, S->leaders, S->shared_lens, (int)B, (int)L->q_heads,
         (int)L->kv_heads, (int)D, L->scale, S->attn, threads);
     if (status != 0) return status;
-    packed_linear(S->attn, q_dim, L->o, L->o_bias, (int)B, (int)hidden, (int)q_dim, S->o, hidden,
-                  threads);
-    rmsnorm_rows(S->o, hidden, residual, hidden, L->post_norm, S->o, hidden, B, hidden, 0,
+    const void *attn = S->attn;
+    if (bf16) {
+        uint16_t *rounded = S->attn_act;
+        for (int64_t i = 0; i < B * q_dim; i++) rounded[i] = bf16_round(S->attn[i]);
+        attn = rounded;
+    }
+    if (linear(L, attn, q_dim, L->o, L->o_bias, B, hidden, S->o, threads) != 0) return 2;
+    rmsnorm_rows(S->o, hidden, residual, hidden, L->post_norm, S->o, hidden, B, hidden, bf16,
                  L->post_eps, threads);
-    packed_linear(S->o, hidden, L->gate_up, L->gate_up_bias, (int)B, (int)(2 * L->inter),
-                  (int)hidden, S->gate_up, 2 * L->inter, threads);
-    silu_and_mul_rows(S->gate_up, 2 * L->inter, S->act, L->inter, B, L->inter, 0, threads);
-    packed_linear(S->act, L->inter, L->down, L->down_bias, (int)B, (int)hidden, (int)L->inter,
-                  out, hidden, threads);
-    return 0;
+    if (linear(L, S->o, hidden, L->gate_up, L->gate_up_bias, B, 2 * L->inter, S->gate_up,
+               threads) != 0)
+        return 2;
+    silu_and_mul_rows(S->gate_up, 2 * L->inter, S->act, L->inter, B, L->inter, bf16, threads);
+    return linear(L, S->act, L->inter, L->down, L->down_bias, B, hidden, out, threads);
 }

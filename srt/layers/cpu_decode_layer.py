@@ -10,10 +10,11 @@ same order for a whole layer in one call, so its output equals the modules' bit 
 
 `enable_fused_decode(model)` (called by ModelRunner after the weights are packed and the CPU
 layer ops enabled) attaches a `FusedDecode` to a model whose every layer qualifies: float32
-weights with packed panels, the compiled layer ops, no q/k norm (Qwen3), one TP rank.
-`FusedDecode.run` then takes the decode batches it can (the cpu attention backend's decode
-kernel, a float32 pool, at most `SMALL_ROWS` requests, the panels' row limit) and returns None
-for every other batch, which runs through the modules. `--disable-cpu-fused-decode` turns it
+weights, or bfloat16 where the CPU has AVX512_BF16 (the packed panels exist), the compiled
+layer ops, no q/k norm (Qwen3), one TP rank. `FusedDecode.run` then takes the decode batches
+it can (the cpu attention backend's decode kernel, a pool of the weights' dtype, at most
+`SMALL_ROWS` requests, the panels' row limit) and returns None for every other batch, which
+runs through the modules. `--disable-cpu-fused-decode` turns it
 off.
 """
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _P, _F, _I64, _I32 = ctypes.c_void_p, ctypes.c_float, ctypes.c_int64, ctypes.c_int32
+_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class DecodeLayerArgs(ctypes.Structure):
@@ -46,6 +48,7 @@ class DecodeLayerArgs(ctypes.Structure):
         ("hidden", _I64), ("inter", _I64), ("q_heads", _I64), ("kv_heads", _I64),
         ("head_dim", _I64), ("cos_sin", _P), ("max_position", _I64), ("rot", _I64),
         ("neox", _I32), ("scale", _F), ("k_cache", _P), ("v_cache", _P), ("slot_stride", _I64),
+        ("bf16", _I32),
     ]  # fmt: skip
 
 
@@ -55,8 +58,8 @@ class DecodeStepArgs(ctypes.Structure):
     _fields_ = [
         ("rows", _I64), ("positions", _P), ("out_cache_loc", _P), ("req_to_token", _P),
         ("r2t_stride", _I64), ("pool_rows", _P), ("seq_lens", _P), ("leaders", _P),
-        ("shared_lens", _P), ("normed", _P), ("qkv", _P), ("q", _P), ("attn", _P), ("o", _P),
-        ("gate_up", _P), ("act", _P), ("threads", _I32),
+        ("shared_lens", _P), ("normed", _P), ("qkv", _P), ("o", _P), ("gate_up", _P),
+        ("act", _P), ("attn_act", _P), ("q", _P), ("attn", _P), ("threads", _I32),
     ]  # fmt: skip
 
 
@@ -72,8 +75,11 @@ def _qualifies(layer: Any) -> str | None:
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if any(m.tp.size != 1 for m in (attn.o_proj, mlp.down_proj)):
         return "tensor parallelism"
-    if any(m.weight.dtype != torch.float32 or m.panel_weight is None for m in linears):
-        return "no float32 packed panels"
+    dtype = attn.qkv_proj.weight.dtype
+    if dtype not in _DTYPES or any(m.weight.dtype != dtype for m in linears):
+        return f"{dtype} weights"
+    if any(m.panel_weight is None for m in linears):
+        return f"no packed {dtype} panels (bfloat16 needs AVX512_BF16)"
     ops_users = (layer.input_layernorm, layer.post_attention_layernorm, attn.rotary_emb, mlp.act_fn)
     if any(m.cpu_ops is None for m in ops_users):
         return "no compiled layer ops"
@@ -87,6 +93,7 @@ class FusedDecode:
     def __init__(self, kernel: Any, layers: list[Any]) -> None:
         self._kernel = kernel
         self._layers = layers
+        self._dtype = layers[0].self_attn.qkv_proj.weight.dtype
         self._args: list[DecodeLayerArgs] = []
         self._pool: Any = None  # the KV pool the layer arguments point into
 
@@ -126,6 +133,7 @@ class FusedDecode:
                     _ptr(k_cache),
                     _ptr(v_cache),
                     k_cache.stride(0),
+                    int(self._dtype == torch.bfloat16),
                 )
             )
         self._args, self._pool = args, pool
@@ -135,12 +143,12 @@ class FusedDecode:
         backend, pool = forward_batch.attn_backend, forward_batch.token_to_kv_pool
         return (
             forward_batch.forward_mode.is_decode()
-            and hidden.dtype == torch.float32
+            and hidden.dtype == self._dtype
             and hidden.device.type == "cpu"
             and hidden.shape[0] <= SMALL_ROWS
             and getattr(backend, "uses_kernel", False)
             and pool is not None
-            and pool.dtype == torch.float32
+            and pool.dtype == self._dtype
             and forward_batch.req_to_token_pool is not None
         )
 
@@ -159,10 +167,12 @@ class FusedDecode:
         qkv_dim = q_dim + 2 * attn.num_kv_heads * attn.head_dim
         inter = mlp.down_proj.weight.shape[1]
 
-        def scratch(cols: int) -> torch.Tensor:
-            return torch.empty(rows, cols, dtype=torch.float32)
+        def scratch(cols: int, dtype: torch.dtype = self._dtype) -> torch.Tensor:
+            return torch.empty(rows, cols, dtype=dtype)
 
-        buffers = [scratch(c) for c in (width, qkv_dim, q_dim, q_dim, width, 2 * inter, inter)]
+        # normed, qkv, o, gate_up, act, attn_act (activations), then q and attn (float32)
+        buffers = [scratch(c) for c in (width, qkv_dim, width, 2 * inter, inter, q_dim)]
+        buffers += [scratch(q_dim, torch.float32), scratch(q_dim, torch.float32)]
         per_request = [
             t.to(torch.int64).contiguous()
             for t in (

@@ -4,7 +4,7 @@ decode CUDA graphs.
 On CPU the matmul weights are prepacked for oneDNN right after loading
 (`srt/layers/cpu_packed.py`; `--disable-cpu-weight-prepack` turns it off), and the norms, the
 gated activation and RoPE get the compiled CPU layer ops (`fused_kernels.enable_cpu_ops`;
-`--disable-cpu-fused-ops` turns it off); with both, a float32 Llama-family model's decode
+`--disable-cpu-fused-ops` turns it off); with both, a Llama-family model's decode
 steps run one compiled call per decoder layer (`srt/layers/cpu_decode_layer.py`;
 `--disable-cpu-fused-decode` turns that off).
 

@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
 from attention.cpu_backend import CpuAttnBackend
-from attention.cpu_kernels import decode_layer_kernel
+from attention.cpu_kernels import decode_layer_kernel, packed_linear_kernel
 from srt.layers.cpu_decode_layer import FusedDecode, enable_fused_decode
 from srt.layers.cpu_packed import SMALL_ROWS, prepack_cpu_weights
 from tests.srt.forward_helpers import ForwardBatchBuilder
@@ -18,6 +18,7 @@ from tests.srt.test_models import build_pair, hf_logits
 pytestmark = pytest.mark.skipif(
     decode_layer_kernel() is None, reason="no C compiler: the fused decode layer cannot build"
 )
+NO_BF16 = "no AVX512_BF16: no bfloat16 panels, bfloat16 models run the modules"
 
 # Head dim 64 (the decode kernel's), query groups of 2 and 3; rope partial / llama3 covered
 # by the kernels' own tests.
@@ -40,26 +41,27 @@ CONFIGS = {
 }
 
 
-def fused_model(name: str):
-    hf, ours = build_pair(CONFIGS[name], layer_ops="cpu")
+def fused_model(name: str, dtype: torch.dtype = torch.float32):
+    hf, ours = build_pair(CONFIGS[name], dtype, layer_ops="cpu")
     assert prepack_cpu_weights(ours) > 0
     fused = enable_fused_decode(ours)
     assert isinstance(fused, FusedDecode) and ours.model.fused_decode is fused
     return hf, ours, fused
 
 
-def builder(config) -> ForwardBatchBuilder:
+def builder(config, dtype: torch.dtype = torch.float32) -> ForwardBatchBuilder:
     head_dim = config.hidden_size // config.num_attention_heads
     backend = CpuAttnBackend(
         num_heads=config.num_attention_heads,
         num_kv_heads=config.num_key_value_heads,
         head_dim=head_dim,
-        dtype=torch.float32,
+        dtype=dtype,
     )
     return ForwardBatchBuilder(
         config.num_hidden_layers,
         config.num_key_value_heads,
         head_dim,
+        dtype=dtype,
         num_slots=2048,
         max_reqs=80,
         max_context_len=512,
@@ -73,7 +75,7 @@ def serve(model, fused: FusedDecode | None, prompts: list[list[int]], steps: int
     step plans it as a shared prefix), then decode `steps` tokens for all; returns the decode
     steps' logits, the final pool and the requests' token lists."""
     model.model.fused_decode = fused
-    b = builder(model.config)
+    b = builder(model.config, model.model.embed_tokens.weight.dtype)
     seqs = [list(p) for p in prompts]
     run, plans = [], []
     with torch.no_grad():
@@ -93,12 +95,25 @@ def serve(model, fused: FusedDecode | None, prompts: list[list[int]], steps: int
     return run, b.kv_pool, seqs
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_fused_decode_equals_the_modules_bitwise(name: str):
-    """Same logits and same K/V in the pool, bit for bit, as the layer modules; the shared
-    prefix of the forked request is planned and read once (the backend's plan reaches the
-    kernel); and the logits match HF's."""
-    hf, ours, fused = fused_model(name)
+_PANELS = packed_linear_kernel()
+BF16_PANELS = _PANELS is not None and _PANELS.accepts(torch.zeros(2, 2, dtype=torch.bfloat16))
+CASES = [pytest.param(name, torch.float32, id=name) for name in sorted(CONFIGS)] + [
+    pytest.param(
+        name,
+        torch.bfloat16,
+        id=f"{name}-bf16",
+        marks=pytest.mark.skipif(not BF16_PANELS, reason=NO_BF16),
+    )
+    for name in ("llama", "qwen2_qkv_bias")
+]
+
+
+@pytest.mark.parametrize(("name", "dtype"), CASES)
+def test_fused_decode_equals_the_modules_bitwise(name: str, dtype: torch.dtype):
+    """Same logits and same K/V in the pool, bit for bit, as the layer modules (float32, and
+    bfloat16 where the CPU has the bf16 panels); the shared prefix of the forked request is
+    planned and read once (the backend's plan reaches the kernel); float32 logits match HF's."""
+    hf, ours, fused = fused_model(name, dtype)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (80, 3, 150)]
     calls = []
@@ -119,6 +134,8 @@ def test_fused_decode_equals_the_modules_bitwise(name: str):
             got_pool.get_kv_buffer(layer), want_pool.get_kv_buffer(layer), strict=True
         ):
             assert torch.equal(got_kv, want_kv), layer
+    if dtype != torch.float32:
+        return
     for rid, seq in enumerate(seqs):
         expected = hf_logits(hf, seq)[-1]
         torch.testing.assert_close(got[-1][rid], expected, atol=1e-4, rtol=1e-4)
@@ -142,17 +159,17 @@ def test_batches_it_does_not_take_run_the_modules():
     assert logits.shape == (SMALL_ROWS + 1, 256) and torch.isfinite(logits).all()
 
 
-@pytest.mark.parametrize(
-    ("config", "dtype", "why"),
-    [
-        (Qwen3Config(**SHAPE, head_dim=64), torch.float32, "q/k norm"),
-        (LlamaConfig(**SHAPE), torch.bfloat16, "float32"),
-    ],
-)
-def test_models_it_cannot_run_keep_the_modules(config, dtype, why, caplog):
-    """Qwen3 (q/k norms) and bfloat16 weights: no fused decode, with the reason logged."""
+@pytest.mark.parametrize("case", ["qk_norm", "no_panels", "float16"])
+def test_models_it_cannot_run_keep_the_modules(case, caplog):
+    """Qwen3 (q/k norms), a matmul without packed panels (bfloat16 on a CPU without
+    AVX512_BF16), float16 weights: no fused decode, with the reason logged."""
+    config = Qwen3Config(**SHAPE, head_dim=64) if case == "qk_norm" else LlamaConfig(**SHAPE)
+    dtype = torch.float16 if case == "float16" else torch.float32
     _, ours = build_pair(config, dtype, layer_ops="cpu")
     prepack_cpu_weights(ours)
+    if case == "no_panels":
+        ours.model.layers[1].mlp.down_proj.panel_weight = None
+    why = {"qk_norm": "q/k norm", "no_panels": "no packed", "float16": "torch.float16"}[case]
     with caplog.at_level("INFO", logger="srt.layers.cpu_decode_layer"):
         assert enable_fused_decode(ours) is None
     assert ours.model.fused_decode is None
