@@ -3,8 +3,8 @@
 - The event loop: by default the normal loop on CPU (the forward's threads already take every
   core, so the overlap loop's scheduler thread only slows them) and the overlap loop on GPU;
   `--disable-overlap-schedule` and `--enable-overlap-schedule` choose.
-- The prefill-token budget of one batch: 1024 on CPU (prefill throughput is flat beyond a
-  few hundred tokens), SGLang's 16384 on GPU; `--max-prefill-tokens` sets it."""
+- The prefill-token budget of one batch: 384 on CPU (prefill throughput is nearly flat beyond
+  a few hundred tokens), SGLang's 16384 on GPU; `--max-prefill-tokens` sets it."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_cpu_scheduler_runs_the_chosen_loop(args: ServerArgs, overlap: bool) -> 
 @pytest.mark.parametrize(
     ("flags", "device", "budget"),
     [
-        ([], "cpu", 1024),
+        ([], "cpu", 384),
         ([], "cuda", 16384),
         (["--max-prefill-tokens", "300"], "cpu", 300),
         (["--max-prefill-tokens", "300"], "cuda", 300),
@@ -71,11 +71,11 @@ def test_prefill_budget_by_device(flags: list[str], device: str, budget: int) ->
 
 
 def test_cpu_prefill_batches_keep_to_the_default_budget() -> None:
-    """Six 400-token prompts waiting at once: the CPU default admits two per prefill batch
-    (800 <= 1024 < 1200), where SGLang's 16384 took all six in one."""
+    """Six 150-token prompts waiting at once: the CPU default admits two per prefill batch
+    (300 <= 384 < 450), where SGLang's 16384 took all six in one."""
     worker = ScriptedWorker(max_total_tokens=8192)
     driver = InProcessDriver(ServerArgs(device="cpu"), worker=worker, tokenizer=None)
-    prompts = [[(i * 31 + k) % 900 + 1 for k in range(400)] for i in range(6)]
+    prompts = [[(i * 31 + k) % 900 + 1 for k in range(150)] for i in range(6)]
     outs = driver.generate(prompts, {"max_new_tokens": 3, "ignore_eos": True})
     assert all(len(o["output_ids"]) == 3 for o in outs)
     extends = [b for b in worker.forward_calls if b.forward_mode.is_extend()]
