@@ -29,7 +29,12 @@ def mixed_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 def run_engine(
     model_path: str, prompts: list[list[int]], modes: list | None = None, **args
 ) -> list[list[int]]:
-    """Greedy outputs of the engine; the forward modes it ran are appended to `modes`."""
+    """Greedy outputs of the engine; the forward modes it ran are appended to `modes`. Unless
+    the caller sets a budget or a chunk size, every prompt goes into one prefill batch (the
+    CPU default budget, 384 tokens, would split the mixed prompts: 613 tokens)."""
+    one_batch = "chunked_prefill_size" not in args and "max_prefill_tokens" not in args
+    if one_batch:
+        args["max_prefill_tokens"] = 4096
     server_args = ServerArgs(
         model_path=model_path,
         dtype="float32",
@@ -49,7 +54,7 @@ def run_engine(
     outs = driver.generate(
         prompts, {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
     )
-    if args.get("chunked_prefill_size") is None and args.get("max_prefill_tokens") is None:
+    if one_batch:
         assert sum(m.is_extend() for m in modes) == 1, "prompts should form one batch"
     driver.scheduler.check_memory()
     return [o["output_ids"] for o in outs]
