@@ -194,7 +194,10 @@ def test_priority_orders_admission(loop_kind: str, low_first: bool, policy: str)
     driver.step()  # runs alone; the rest queue behind it
     for rid, prio in (("p0", 0), ("p5", 5), ("p1", 1), ("p5b", 5), ("m3", -3)):
         driver.submit(
-            prompt(len(order) + hash(rid) % 50), {"max_new_tokens": 4}, rid=rid, priority=prio
+            prompt(len(order) + sum(map(ord, rid)) % 50),
+            {"max_new_tokens": 4},
+            rid=rid,
+            priority=prio,
         )
     driver.run_until_idle()
     expected = ["p5", "p5b", "p1", "p0", "m3"]  # arrival order within a level
