@@ -91,7 +91,7 @@ def build_library(source: str) -> Path:
     # Every source and header: a source may include another (decode_layer.c does).
     sources = [f.read_text() for f in sorted(_CSRC.glob("*.[ch]"))]
     key = hashlib.sha256(
-        "\0".join([src.read_text(), *sources, " ".join(flags), version, _cpu_flags()]).encode()
+        "\0".join([src.name, *sources, " ".join(flags), version, _cpu_flags()]).encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"{src.stem}-{key}.so"
     if target.exists():
