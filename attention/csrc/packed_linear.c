@@ -20,13 +20,18 @@
  * chunks of ROW_CHUNK so that a chunk of x stays in L2 across the panels.
  *
  * Decode-sized inputs are bound by streaming the weights from memory, and a core streams at
- * ~13 GB/s (2-core Xeon, 260 MB L3: float32 weights of SmolLM2-135M do not fit) while its FMAs
- * wait: left to the hardware prefetcher, a panel's arithmetic and its load do not overlap.
- * So the first block of a panel (the one that reads it from memory; later blocks of the same
- * panel find it in L2) prefetches the thread's next panel into L2, one k-row per k, and the
- * next panel arrives while this one is multiplied. Only the first block does: prefetching
- * from every block of a panel made 64 rows 1.7x slower. Inputs of 8-11 rows take a first
- * block of 8 (AVX-512), so that they prefetch too.
+ * ~13 GB/s (2-core Xeon, 260 MB L3: float32 weights of SmolLM2-135M do not fit). The hardware
+ * prefetcher stops at every 4 KB page and the FMAs waiting on a load fill the out-of-order
+ * window, so the first block of each panel (the one that reads it from memory; later blocks
+ * of the same panel find it in L2) prefetches into L2 the weights PREFETCH_BYTES ahead of
+ * the k-row it multiplies, running on into the thread's next panel, up to the end of the
+ * thread's panels. A steady distance beat prefetching the whole next panel from the first
+ * block (scratch harness over SmolLM2's 121 matrices, 2-core Xeon: 1 row 19.2 -> 17.0 ms, 4
+ * rows 26.2 -> 18.8 ms, 16 rows unchanged at ~26 ms).
+ *
+ * A block's accumulators are a fixed-size array (MB rows), of which it uses R: with R as the
+ * array's bound, GCC made it a variable-length array on the stack, and every FMA loaded and
+ * stored its accumulator (16 rows 34.5 -> 26.5 ms, 64 rows 78.0 -> 66.9 ms in the harness).
  *
  * bfloat16 (built only where the CPU has AVX512_BF16): the same panels with pairs of k
  * interleaved, packed[N_pad / 32][K / 2][32][2] (K even), and `vdpbf16ps` multiplies a
@@ -52,21 +57,25 @@
 #define MB 6
 #endif
 #define ROW_CHUNK 1024
+#define PREFETCH_BYTES 4096
 
 /* Rows [0, R) of x (row stride ldx) times one panel; writes columns [0, n) of the panel's
  * part of out (row stride ldo), n <= P (the last panel may be partial), adding bias if any. */
 static inline __attribute__((always_inline)) void block(const float *x, int64_t ldx,
                                                         const float *panel, int K,
                                                         const float *bias, int n, float *out,
-                                                        int64_t ldo, const float *next,
+                                                        int64_t ldo, const char *limit,
                                                         const int R) {
-    vf acc[R][NB];
+    vf acc[MB][NB];
     for (int m = 0; m < R; m++)
         for (int j = 0; j < NB; j++) acc[m][j] = (vf){0};
     for (int k = 0; k < K; k++) {
         vf w[NB];
-        if (next != NULL)
-            for (int j = 0; j < NB; j++) __builtin_prefetch(next + (int64_t)k * P + W * j, 0, 2);
+        if (limit != NULL) {
+            const char *ahead = (const char *)(panel + (int64_t)k * P) + PREFETCH_BYTES;
+            if (ahead < limit)
+                for (int j = 0; j < NB; j++) __builtin_prefetch(ahead + 4 * W * j, 0, 2);
+        }
         for (int j = 0; j < NB; j++) w[j] = load_f32(panel + (int64_t)k * P + W * j);
         for (int m = 0; m < R; m++) {
             const float xv = x[m * ldx + k];
@@ -86,31 +95,29 @@ static inline __attribute__((always_inline)) void block(const float *x, int64_t 
     }
 }
 
-static void panel_rows(const void *xv, int64_t ldx, const void *panel, const void *next, int K,
+static void panel_rows(const void *xv, int64_t ldx, const void *panel, const void *limit, int K,
                        const void *bias, int n, void *outv, int64_t ldo, int rows) {
     const float *x = xv;
     float *out = outv;
+    const char *ahead = limit; /* the first block prefetches; NULL after it */
     int m = 0;
-    if (rows >= MB) {
-        block(x, ldx, panel, K, bias, n, out, ldo, next, MB);
-        m = MB;
-    }
 #if W == 16
-    else if (rows >= 8) {
-        block(x, ldx, panel, K, bias, n, out, ldo, next, 8);
-        m = 8;
+    if (rows >= 8 && rows < MB) {
+        block(x, ldx, panel, K, bias, n, out, ldo, ahead, 8);
+        m = 8, ahead = NULL;
     }
 #endif
-    for (; m + MB <= rows; m += MB)
-        block(x + m * ldx, ldx, panel, K, bias, n, out + m * ldo, ldo, NULL, MB);
-    for (; m + 4 <= rows; m += 4)
-        block(x + m * ldx, ldx, panel, K, bias, n, out + m * ldo, ldo, NULL, 4);
-    for (; m < rows; m++) block(x + m * ldx, ldx, panel, K, bias, n, out + m * ldo, ldo, NULL, 1);
+    for (; m + MB <= rows; m += MB, ahead = NULL)
+        block(x + m * ldx, ldx, panel, K, bias, n, out + m * ldo, ldo, ahead, MB);
+    for (; m + 4 <= rows; m += 4, ahead = NULL)
+        block(x + m * ldx, ldx, panel, K, bias, n, out + m * ldo, ldo, ahead, 4);
+    for (; m < rows; m++, ahead = NULL)
+        block(x + m * ldx, ldx, panel, K, bias, n, out + m * ldo, ldo, ahead, 1);
 }
 
-/* One dtype's rows-times-panel step: rows [0, rows) of x against one panel, into out; `next`
- * is the panel the same thread multiplies next (NULL if none), to prefetch. */
-typedef void (*PanelRows)(const void *x, int64_t ldx, const void *panel, const void *next,
+/* One dtype's rows-times-panel step: rows [0, rows) of x against one panel, into out;
+ * `limit` is the end of the thread's panels (it prefetches ahead up to there). */
+typedef void (*PanelRows)(const void *x, int64_t ldx, const void *panel, const void *limit,
                           int K, const void *bias, int n, void *out, int64_t ldo, int rows);
 
 /* x [M, K] -> out [M, N] through `step`, for elements of `elem` bytes and panels of `width`
@@ -127,7 +134,7 @@ static void over_panels(PanelRows step, int elem, int width, const void *x, int6
 #pragma omp parallel num_threads(num_threads)
         {
             /* schedule(static)'s split, made explicit: each thread's panels are contiguous,
-             * so its next panel is p + 1 until the end of its range. */
+             * [begin, end), so it prefetches ahead up to the end of its range. */
             const int threads = omp_get_num_threads(), t = omp_get_thread_num();
             const int per = panels / threads, extra = panels % threads;
             const int begin = t * per + (t < extra ? t : extra);
@@ -136,7 +143,7 @@ static void over_panels(PanelRows step, int elem, int width, const void *x, int6
                 const int n = N - p * width < width ? N - p * width : width;
                 const char *b = bias == NULL ? NULL : (const char *)bias + p * columns_bytes;
                 const char *panel = (const char *)packed + p * panel_bytes;
-                step(xc, ldx, panel, p + 1 < end ? panel + panel_bytes : NULL, K, b, n,
+                step(xc, ldx, panel, (const char *)packed + end * panel_bytes, K, b, n,
                      oc + p * columns_bytes, ldo, rows);
             }
         }
@@ -161,14 +168,17 @@ static inline __attribute__((always_inline)) void block_bf16(const uint16_t *x, 
                                                              const uint16_t *panel, int K,
                                                              const uint16_t *bias, int n,
                                                              uint16_t *out, int64_t ldo,
-                                                             const uint16_t *next,
+                                                             const char *limit,
                                                              const int R) {
-    __m512 acc[R][2];
+    __m512 acc[12][2];
     for (int m = 0; m < R; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     for (int k = 0; k < K; k += 2) {
-        if (next != NULL) {
-            __builtin_prefetch(next + (int64_t)k * 32, 0, 2);
-            __builtin_prefetch(next + (int64_t)k * 32 + 32, 0, 2);
+        if (limit != NULL) {
+            const char *ahead = (const char *)(panel + (int64_t)k * 32) + PREFETCH_BYTES;
+            if (ahead < limit) {
+                __builtin_prefetch(ahead, 0, 2);
+                __builtin_prefetch(ahead + 64, 0, 2);
+            }
         }
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + (int64_t)k * 32);
         const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + (int64_t)k * 32 + 32);
@@ -199,24 +209,22 @@ static inline __attribute__((always_inline)) void block_bf16(const uint16_t *x, 
     }
 }
 
-static void panel_rows_bf16(const void *xv, int64_t ldx, const void *panel, const void *next,
+static void panel_rows_bf16(const void *xv, int64_t ldx, const void *panel, const void *limit,
                             int K, const void *bias, int n, void *outv, int64_t ldo, int rows) {
     const uint16_t *x = xv;
     uint16_t *out = outv;
+    const char *ahead = limit; /* the first block prefetches; NULL after it */
     int m = 0;
-    if (rows >= 12) {
-        block_bf16(x, ldx, panel, K, bias, n, out, ldo, next, 12);
-        m = 12;
-    } else if (rows >= 8) {
-        block_bf16(x, ldx, panel, K, bias, n, out, ldo, next, 8);
-        m = 8;
+    if (rows >= 8 && rows < 12) {
+        block_bf16(x, ldx, panel, K, bias, n, out, ldo, ahead, 8);
+        m = 8, ahead = NULL;
     }
-    for (; m + 12 <= rows; m += 12)
-        block_bf16(x + m * ldx, ldx, panel, K, bias, n, out + m * ldo, ldo, NULL, 12);
-    for (; m + 4 <= rows; m += 4)
-        block_bf16(x + m * ldx, ldx, panel, K, bias, n, out + m * ldo, ldo, NULL, 4);
-    for (; m < rows; m++)
-        block_bf16(x + m * ldx, ldx, panel, K, bias, n, out + m * ldo, ldo, NULL, 1);
+    for (; m + 12 <= rows; m += 12, ahead = NULL)
+        block_bf16(x + m * ldx, ldx, panel, K, bias, n, out + m * ldo, ldo, ahead, 12);
+    for (; m + 4 <= rows; m += 4, ahead = NULL)
+        block_bf16(x + m * ldx, ldx, panel, K, bias, n, out + m * ldo, ldo, ahead, 4);
+    for (; m < rows; m++, ahead = NULL)
+        block_bf16(x + m * ldx, ldx, panel, K, bias, n, out + m * ldo, ldo, ahead, 1);
 }
 
 /* The bfloat16 form of packed_linear (K even); 0 on success. */
