@@ -3,7 +3,9 @@
 `lpm` sorts by the longest prefix match against the radix tree. Requests whose prefix is not
 cached yet but is shared with a request ahead of them in the queue are held back for one
 round: the request ahead fills the cache, and they hit it next round instead of computing the
-same prefix twice in one batch. Past `LPM_FALLBACK_QUEUE_LEN` waiting requests, matching every
+same prefix twice in one batch. Among equal matches, the request that holds back the most
+others goes first: its prefill unblocks them all (with a cold cache and several system
+prompts arriving at once, mean time to first token falls). Past `LPM_FALLBACK_QUEUE_LEN` waiting requests, matching every
 request costs more than it saves and the order falls back to FCFS.
 
 With `--enable-priority-scheduling` the queue is ordered by `priority` first (higher values
@@ -56,6 +58,7 @@ class SchedulePolicy:
         self.kv = kv
         self.page_size = kv.page_size
         self.held_back: set[str] = set()
+        self.followers: dict[str, int] = {}  # rid -> requests it holds back this round
         self.by_priority = by_priority  # None: priorities are not used
 
     def calc_priority(self, waiting_queue: list[Req]) -> None:
@@ -66,6 +69,7 @@ class SchedulePolicy:
 
     def _order_by_policy(self, waiting_queue: list[Req]) -> None:
         self.held_back = set()
+        self.followers = {}
         policy = self.policy
         if policy == "lpm" and len(waiting_queue) > LPM_FALLBACK_QUEUE_LEN:
             policy = "fcfs"
@@ -75,23 +79,32 @@ class SchedulePolicy:
             return
         self._match_and_find_held_back(waiting_queue)
         if policy == "lpm":
-            waiting_queue.sort(key=lambda r: (r.rid in self.held_back, -r.kv.prefix_len()))
+            waiting_queue.sort(
+                key=lambda r: (
+                    r.rid in self.held_back,
+                    -r.kv.prefix_len(),
+                    -self.followers.get(r.rid, 0),
+                )
+            )
         else:
             waiting_queue[:] = self._dfs_weight_order(waiting_queue)
 
     def _match_and_find_held_back(self, waiting_queue: list[Req]) -> None:
-        # A pool-less tree of the uncached prompts seen so far in this round.
+        # A pool-less tree of the uncached prompts seen so far in this round; each token's
+        # value is the queue position of the request that inserted it.
         in_batch = RadixCache(page_size=self.page_size)
-        for req in waiting_queue:
+        for i, req in enumerate(waiting_queue):
             req.init_next_round_input(self.kv)
             if req.kv.prefix_len() > IN_BATCH_PREFIX_CHECK_THRESHOLD:
                 continue
             key = req.fill_ids
-            shared = len(in_batch.match_prefix(key, extra_key=req.extra_key).device_indices)
-            if shared >= IN_BATCH_PREFIX_HOLD_THRESHOLD:
+            shared = in_batch.match_prefix(key, extra_key=req.extra_key).device_indices
+            if len(shared) >= IN_BATCH_PREFIX_HOLD_THRESHOLD:
                 self.held_back.add(req.rid)
+                leader = waiting_queue[int(shared[-1])].rid
+                self.followers[leader] = self.followers.get(leader, 0) + 1
             else:
-                in_batch.insert(key, torch.zeros(len(key), dtype=torch.int64), req.extra_key)
+                in_batch.insert(key, torch.full((len(key),), i, dtype=torch.int64), req.extra_key)
 
     def _dfs_weight_order(self, waiting_queue: list[Req]) -> list[Req]:
         """Visit the tree depth-first, heaviest subtree (most waiting requests) first."""

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from managers.io_struct import BatchTokenIDOut
 from managers.schedule_batch import GenerationBatchResult, ModelWorkerBatch
 from mem_cache.allocator import TokenToKVPoolAllocator
 from mem_cache.memory_pool import ReqToTokenPool
@@ -96,3 +97,18 @@ def assert_idle_and_clean(driver: Any) -> None:
     sched.check_memory()
     assert sched.kv.tree.protected_size() == 0
     assert sched.kv.token_usage() == 0
+
+
+def first_token_order(driver: Any) -> list[str]:
+    """Record the order in which requests produce their first token."""
+    order: list[str] = []
+    sink = driver.scheduler.output.sink
+
+    def record(batch: BatchTokenIDOut) -> None:
+        for out in batch.outputs:
+            if out.new_token_ids and out.rid not in order:
+                order.append(out.rid)
+        sink(batch)
+
+    driver.scheduler.output.sink = record
+    return order

@@ -8,9 +8,13 @@ from concurrent.futures import Future
 import pytest
 
 from managers.inprocess import InProcessDriver
-from managers.io_struct import BatchTokenIDOut
 from srt.server_args import ServerArgs
-from tests.managers.scripted_worker import ScriptedWorker, assert_idle_and_clean, scripted_output
+from tests.managers.scripted_worker import (
+    ScriptedWorker,
+    assert_idle_and_clean,
+    first_token_order,
+    scripted_output,
+)
 
 PROMPT_LEN = 20
 
@@ -47,21 +51,6 @@ def finish(driver: InProcessDriver, rid: str) -> dict:
 def steps(driver: InProcessDriver, n: int) -> None:
     for _ in range(n):
         driver.step()
-
-
-def first_token_order(driver: InProcessDriver) -> list[str]:
-    """Record the order in which requests produce their first token."""
-    order: list[str] = []
-    sink = driver.scheduler.output.sink
-
-    def record(batch: BatchTokenIDOut) -> None:
-        for out in batch.outputs:
-            if out.new_token_ids and out.rid not in order:
-                order.append(out.rid)
-        sink(batch)
-
-    driver.scheduler.output.sink = record
-    return order
 
 
 # ---- time limits --------------------------------------------------------------------

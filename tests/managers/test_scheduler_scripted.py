@@ -18,6 +18,7 @@ from tests.managers.scripted_worker import (
     ScriptedModelConfig,
     ScriptedWorker,
     assert_idle_and_clean,
+    first_token_order,
     scripted_output,
 )
 
@@ -85,6 +86,28 @@ def test_shared_system_prompt_in_one_round_hits_cache() -> None:
     assert all(c >= len(system) for c in cached[1:])
     for p, o in zip(ps, outs, strict=True):
         assert o["output_ids"] == scripted_output(p, 4)
+    assert_idle_and_clean(driver)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_prompt_that_unblocks_most_requests_goes_first(page_size: int) -> None:
+    # Three uncached system prompts: x with one request, y with three, z with two. The
+    # prefill budget takes one uncached prompt (plus cached questions) per batch, so the
+    # order of the uncached prompts is the order of the first tokens.
+    driver = make_driver(page_size=page_size, schedule_policy="lpm", max_prefill_tokens=64)
+    order = first_token_order(driver)
+    head = driver.submit(prompts(1, 8, 8, seed=9)[0], {"max_new_tokens": 2}, rid="head")
+    driver.step()  # runs alone; the rest queue behind it
+    system = dict(zip("xyz", prompts(3, 40, 40, seed=3), strict=True))
+    questions = iter(prompts(6, 4, 4, seed=4))
+    ps = {}
+    for rid in ("x1", "y1", "y2", "y3", "z1", "z2"):  # arrival order
+        ps[rid] = system[rid[0]] + next(questions)
+        driver.submit(ps[rid], {"max_new_tokens": 2}, rid=rid)
+    driver.run_until_idle()
+    assert order == head + ["y1", "y2", "y3", "z1", "z2", "x1"]
+    for rid, p in ps.items():
+        assert driver.result(rid)["output_ids"] == scripted_output(p, 2)
     assert_idle_and_clean(driver)
 
 
