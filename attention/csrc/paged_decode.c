@@ -290,25 +290,17 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
                            int Hkv, int D, float scale, float *out, int num_threads) {
     if (!paged_decode_supports(H, Hkv, D)) return 2;
     const int G = H / Hkv;
-    if (shared_lens == NULL || leaders == NULL) {
-        /* Nothing shared: every request its own leader, with no common prefix. */
-        int64_t *none = (int64_t *)calloc((size_t)(2 * B) + 1, sizeof(int64_t));
-        if (none == NULL) return 1;
-        for (int b = 0; b < B; b++) none[b] = b;
-        const int status = paged_decode_attention(q, k_cache, v_cache, kv_bf16, slot_stride,
-                                                  req_to_token, r2t_stride, pool_rows, seq_lens,
-                                                  none, none + B, B, H, Hkv, D, scale, out,
-                                                  num_threads);
-        free(none);
-        return status;
-    }
+    /* Without a plan nothing is shared: every request its own leader, no common prefix. */
+    const int planned = leaders != NULL && shared_lens != NULL;
+#define LEADER(b) (planned ? leaders[b] : (int64_t)(b))
+#define SHARED(b) (planned ? shared_lens[b] : (int64_t)0)
     int64_t max_own = 0, max_chunks = 0, groups = 0, shared_items = 0;
     for (int b = 0; b < B; b++) {
-        const int64_t own = seq_lens[b] - shared_lens[b];
-        const int64_t chunks = (shared_lens[b] + SHARED_CHUNK - 1) / SHARED_CHUNK;
+        const int64_t own = seq_lens[b] - SHARED(b);
+        const int64_t chunks = (SHARED(b) + SHARED_CHUNK - 1) / SHARED_CHUNK;
         max_own = own > max_own ? own : max_own;
         max_chunks = chunks > max_chunks ? chunks : max_chunks;
-        if (leaders[b] == b && chunks > 0) {
+        if (LEADER(b) == b && chunks > 0) {
             groups++;
             shared_items += chunks;
         }
@@ -340,20 +332,20 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
         item_leader = member_begin + B + 1;
         for (int b = 0; b <= B; b++) member_begin[b] = 0;
         for (int b = 0; b < B; b++)
-            if (shared_lens[b] > 0) member_begin[leaders[b] + 1]++;
+            if (SHARED(b) > 0) member_begin[LEADER(b) + 1]++;
         for (int b = 0; b < B; b++) member_begin[b + 1] += member_begin[b];
         int64_t fill[B];
         for (int b = 0; b < B; b++) fill[b] = member_begin[b];
         for (int b = 0; b < B; b++)
-            if (shared_lens[b] > 0) members[fill[leaders[b]]++] = b;
+            if (SHARED(b) > 0) members[fill[LEADER(b)]++] = b;
         int64_t i = 0;
         for (int b = 0; b < B; b++)
-            if (leaders[b] == b && shared_lens[b] > 0)
-                for (int64_t c = 0; c * SHARED_CHUNK < shared_lens[b]; c++)
+            if (LEADER(b) == b && SHARED(b) > 0)
+                for (int64_t c = 0; c * SHARED_CHUNK < SHARED(b); c++)
                     item_leader[i++] = b * max_chunks + c;
         /* A request's unused prefix-chunk parts saw no token. */
         for (int b = 0; b < B; b++)
-            for (int64_t c = (shared_lens[b] + SHARED_CHUNK - 1) / SHARED_CHUNK; c < max_chunks;
+            for (int64_t c = (SHARED(b) + SHARED_CHUNK - 1) / SHARED_CHUNK; c < max_chunks;
                  c++) {
                 float *part = parts + (b * parts_per_req + c) * part_size;
                 for (int j = 0; j < H; j++) part[(int64_t)H * D + H + j] = 0.f;
@@ -368,8 +360,8 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
         if (item < shared_items) {
             const int64_t g = item_leader[item] / max_chunks, c = item_leader[item] % max_chunks;
             const int64_t t_begin = c * SHARED_CHUNK;
-            const int64_t t_end = t_begin + SHARED_CHUNK < shared_lens[g] ? t_begin + SHARED_CHUNK
-                                                                          : shared_lens[g];
+            const int64_t t_end =
+                t_begin + SHARED_CHUNK < SHARED(g) ? t_begin + SHARED_CHUNK : SHARED(g);
             for (int64_t i = member_begin[g]; i < member_begin[g + 1]; i++) {
                 const int64_t b = members[i];
                 float *part = parts + (b * parts_per_req + c) * part_size;
@@ -382,7 +374,7 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
             continue;
         }
         const int64_t b = (item - shared_items) / splits, split = (item - shared_items) % splits;
-        const int64_t own_begin = shared_lens[b], n = seq_lens[b];
+        const int64_t own_begin = SHARED(b), n = seq_lens[b];
         const int64_t chunk = (n - own_begin + splits - 1) / splits;
         const int64_t t_begin = own_begin + split * chunk;
         const int64_t t_end = t_begin + chunk < n ? t_begin + chunk : n;
@@ -413,5 +405,7 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
         free(parts);
         free(members);
     }
+#undef LEADER
+#undef SHARED
     return 0;
 }
