@@ -20,9 +20,10 @@ DRAM, medians (scratch script, 2-core AMD EPYC Zen 4), oneDNN -> kernel: float32
 AVX2: 25.3 -> 17.2, 41.4 -> 35.7, 108.9 -> 95.6 ms); bfloat16 1 row 13.9 -> 9.4 ms, 16 rows
 18.6 -> 13.2 ms, 64 rows 47.9 -> 42.2 ms. At prefill sizes oneDNN stays ahead (float32 544
 rows 561 vs 591 ms, 2048 rows 2102 vs 2169 ms), so larger inputs keep it. The cost is one
-more copy of the matmul weights. The kernel prefetches each thread's next panel while it
-multiplies the current one; on a 2-core Xeon (avx512_bf16, no AMX; float32 weights from
-DRAM) that took 16 rows from 46.3 to 37.4 ms (oneDNN 38.1) and 64 rows from 86.0 to 77.8 ms.
+more copy of the matmul weights. The kernel keeps its accumulators in registers and
+prefetches a steady distance ahead of the weights it multiplies (its comment says how); on a
+2-core Xeon (avx512_bf16, no AMX; float32 weights from DRAM) the 121 matmuls take 1 row 17.7
+ms, 16 rows 25.5 ms and 64 rows 60 ms (oneDNN 16 rows: 38.1 ms).
 
 A packed weight is an opaque oneDNN tensor beside the dense parameter, which stays the
 source of truth (weight loading, tied embeddings, tests). Under tensor parallelism the dense
