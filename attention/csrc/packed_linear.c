@@ -41,7 +41,9 @@
  * bfloat16 (built only where the CPU has AVX512_BF16): the same panels with pairs of k
  * interleaved, packed[N_pad / 32][K / 2][32][2] (K even), and `vdpbf16ps` multiplies a
  * broadcast pair (x[m][k], x[m][k + 1]) into a weight vector of 16 columns x 2 k, summing in
- * float32; the output is rounded to bfloat16 once, after the bias, as oneDNN does.
+ * float32; the output is rounded to bfloat16 once, after the bias, as oneDNN does. Only its
+ * first block prefetches (ahead, as above): at 24+ rows `vdpbf16ps` is the bound, not the
+ * stream.
  */
 
 #include <omp.h>

@@ -294,16 +294,13 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
     const int planned = leaders != NULL && shared_lens != NULL;
 #define LEADER(b) (planned ? leaders[b] : (int64_t)(b))
 #define SHARED(b) (planned ? shared_lens[b] : (int64_t)0)
-    int64_t max_own = 0, max_chunks = 0, groups = 0, shared_items = 0;
+    int64_t max_own = 0, max_chunks = 0, shared_items = 0;
     for (int b = 0; b < B; b++) {
         const int64_t own = seq_lens[b] - SHARED(b);
         const int64_t chunks = (SHARED(b) + SHARED_CHUNK - 1) / SHARED_CHUNK;
         max_own = own > max_own ? own : max_own;
         max_chunks = chunks > max_chunks ? chunks : max_chunks;
-        if (LEADER(b) == b && chunks > 0) {
-            groups++;
-            shared_items += chunks;
-        }
+        if (LEADER(b) == b) shared_items += chunks;
     }
     /* Enough items to keep every thread busy, without splits shorter than MIN_SPLIT_TOKENS. */
     int64_t items_wanted = 4 * (int64_t)num_threads;

@@ -16,7 +16,7 @@ running request is never preempted for a more urgent one.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from enum import Enum, auto
 from typing import TYPE_CHECKING
@@ -58,7 +58,6 @@ class SchedulePolicy:
         self.kv = kv
         self.page_size = kv.page_size
         self.held_back: set[str] = set()
-        self.followers: dict[str, int] = {}  # rid -> requests it holds back this round
         self.by_priority = by_priority  # None: priorities are not used
 
     def calc_priority(self, waiting_queue: list[Req]) -> None:
@@ -69,7 +68,6 @@ class SchedulePolicy:
 
     def _order_by_policy(self, waiting_queue: list[Req]) -> None:
         self.held_back = set()
-        self.followers = {}
         policy = self.policy
         if policy == "lpm" and len(waiting_queue) > LPM_FALLBACK_QUEUE_LEN:
             policy = "fcfs"
@@ -77,22 +75,20 @@ class SchedulePolicy:
             for req in waiting_queue:
                 req.init_next_round_input(self.kv)
             return
-        self._match_and_find_held_back(waiting_queue)
+        followers = self._match_and_find_held_back(waiting_queue)
         if policy == "lpm":
             waiting_queue.sort(
-                key=lambda r: (
-                    r.rid in self.held_back,
-                    -r.kv.prefix_len(),
-                    -self.followers.get(r.rid, 0),
-                )
+                key=lambda r: (r.rid in self.held_back, -r.kv.prefix_len(), -followers[r.rid])
             )
         else:
             waiting_queue[:] = self._dfs_weight_order(waiting_queue)
 
-    def _match_and_find_held_back(self, waiting_queue: list[Req]) -> None:
+    def _match_and_find_held_back(self, waiting_queue: list[Req]) -> Counter[str]:
+        """Match every request, fill `held_back`; return how many each request holds back."""
         # A pool-less tree of the uncached prompts seen so far in this round; each token's
         # value is the queue position of the request that inserted it.
         in_batch = RadixCache(page_size=self.page_size)
+        followers: Counter[str] = Counter()
         for i, req in enumerate(waiting_queue):
             req.init_next_round_input(self.kv)
             if req.kv.prefix_len() > IN_BATCH_PREFIX_CHECK_THRESHOLD:
@@ -101,10 +97,10 @@ class SchedulePolicy:
             shared = in_batch.match_prefix(key, extra_key=req.extra_key).device_indices
             if len(shared) >= IN_BATCH_PREFIX_HOLD_THRESHOLD:
                 self.held_back.add(req.rid)
-                leader = waiting_queue[int(shared[-1])].rid
-                self.followers[leader] = self.followers.get(leader, 0) + 1
+                followers[waiting_queue[int(shared[-1])].rid] += 1
             else:
                 in_batch.insert(key, torch.full((len(key),), i, dtype=torch.int64), req.extra_key)
+        return followers
 
     def _dfs_weight_order(self, waiting_queue: list[Req]) -> list[Req]:
         """Visit the tree depth-first, heaviest subtree (most waiting requests) first."""
