@@ -36,7 +36,7 @@ def test_script_parses() -> None:
 
 
 def test_plan_prints_every_call_verbatim(plan_text: str) -> None:
-    assert len(gs.CALLS) >= 4
+    assert len(gs.CALLS) >= 2
     for i, call in enumerate(gs.CALLS, 1):
         assert f"## Call {i}:" in plan_text
         assert call["command"] in plan_text.splitlines()
