@@ -256,7 +256,10 @@ class KVManager:
         self.rows.req_to_token[span.row, :aligned] = match.device_indices.to(torch.int32)
         self.tree.inc_lock_ref(match.last_node)
         self.tree.dec_lock_ref(span.last_node)
-        span.prefix_indices = torch.cat((match.device_indices, kv[aligned:n]))
+        # An empty match is a CPU tensor (the tree has no device of its own); the row's
+        # slots may be on the GPU, and torch.cat refuses to mix the two.
+        prefix = match.device_indices if aligned else kv[:0]
+        span.prefix_indices = torch.cat((prefix, kv[aligned:n]))
         span.last_node = match.last_node
         span.protected_len = aligned
 
@@ -316,8 +319,13 @@ class KVManager:
         return torch.cat(list(self.quarantined.values())) if self.quarantined else _EMPTY
 
     # ---- overlap loop: rows freed while a forward may still read them -------------------
-    def hold_row_frees(self) -> None:
-        self.rows.hold_frees = True
+    def hold_row_frees(self, hold: bool) -> None:
+        """The overlap loop holds freed rows until the forward that may read them is done;
+        the normal loop frees them at once. Each scheduler sets its own mode when it takes
+        the pool (a benchmark runs both loops on one worker, one after the other): no
+        forward is in flight then, so rows the previous owner still held are free."""
+        self.rows.hold_frees = hold
+        self.rows.release(self.rows.take_held())
 
     def take_held_rows(self) -> list[int]:
         return self.rows.take_held()

@@ -143,7 +143,7 @@ class Scheduler:
         self.launched_last_step = False
         if self.overlap:
             self.forward_worker = OverlapWorker(worker, self.kv.max_rows)
-            self.kv.hold_row_frees()
+        self.kv.hold_row_frees(self.overlap)
         self.was_idle = True
         self.raise_on_leak = True
         self.memory_check = MemoryIntegrity()

@@ -18,9 +18,11 @@ from srt.server_args import ServerArgs
 pytestmark = pytest.mark.gpu
 
 NEW_TOKENS = 48
-# At the first position where two bf16 runs differ, the reference's top-2 logprob gap must
-# be below this: a genuine near-tie that kernel rounding may flip, not a wrong token.
-BF16_NEAR_TIE = 0.1
+# At the first position where two bf16 runs differ, our token must be the reference's
+# runner-up and the reference's top-2 logprob gap at most this: a tie that kernel rounding
+# may flip, not a wrong token. bf16 logits of magnitude 16-32 lie 0.125 apart, so this is
+# two such steps (on the H200, flashinfer and torch_native first parted at a gap of 0.125).
+BF16_NEAR_TIE = 0.25
 
 
 def w1_prompts(num: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -63,9 +65,10 @@ def assert_same_greedy(ours: list[int], ref: dict) -> None:
     assert len(ours) == len(ref_ids)
     for pos, (a, b) in enumerate(zip(ours, ref_ids, strict=True)):
         if a != b:
-            top2 = ref["meta_info"]["output_top_logprobs"][pos]
-            gap = top2[0][0] - top2[1][0]
-            assert gap < BF16_NEAR_TIE, f"position {pos}: {a} vs {b}, top-2 gap {gap:.3f}"
+            (best, _), (second, runner_up) = ref["meta_info"]["output_top_logprobs"][pos][:2]
+            gap = best - second
+            assert a == runner_up, f"position {pos}: {a} is not the reference's top-2 {b}"
+            assert gap <= BF16_NEAR_TIE, f"position {pos}: {a} vs {b}, top-2 gap {gap:.3f}"
             return
 
 

@@ -299,3 +299,25 @@ def test_abort_reaches_a_request_that_just_prefilled() -> None:
     assert len(out["output_ids"]) < 50
     assert driver.scheduler.intake.num_aborted_reqs == 1
     assert_idle_and_clean(driver)
+
+
+def test_the_other_loop_on_the_same_worker_gets_every_row_back() -> None:
+    """`bench_gpu` runs one worker under the overlap loop, then under the normal loop. On the
+    H200 the normal loop's scheduler inherited the overlap loop's hold on freed rows: no row
+    came back, and with every row taken one request waited forever. Here each loop hands the
+    worker to the other; three prompts on two rows need the rows back."""
+    worker = ScriptedWorker(max_running_requests=2)
+    ps = prompts(3, 5, 20, seed=4)
+    params = {"max_new_tokens": 4, "temperature": 0}
+    first = InProcessDriver(ServerArgs(**LOOP_ARGS), worker=worker, tokenizer=None)
+    first.generate(ps, params)
+    forward_worker = getattr(first.scheduler, "forward_worker", None)
+    if forward_worker is not None:
+        forward_worker.stop()
+    assert first.scheduler.flush_cache()
+    other_loop = {"disable_overlap_schedule": not LOOP_ARGS["disable_overlap_schedule"]}
+    second = InProcessDriver(ServerArgs(**other_loop), worker=worker, tokenizer=None)
+    outs = second.generate(ps, params)
+    assert [o["output_ids"] for o in outs] == [scripted_output(p, 4) for p in ps]
+    assert second.scheduler.kv.free_rows() == 2
+    assert_idle_and_clean(second)
