@@ -160,9 +160,10 @@ def freed_after() -> Iterator[list[Any]]:
     try:
         yield held
     finally:
-        for obj in held:
-            stop_forward_worker(obj)
-        held.clear()
+        # Popped, not iterated: a loop variable would keep the last driver (and through
+        # it the worker and its KV pool) alive past the collection below.
+        while held:
+            stop_forward_worker(held.pop())
         gc.collect()
         torch.cuda.empty_cache()
 
@@ -243,34 +244,43 @@ def bench_w1_loops(
 
 def bench_model(name: str, path: str | None, fmt: str, args: argparse.Namespace) -> list[dict]:
     """Decode and W1 benchmarks of one model, CUDA graphs on then off."""
+    rows = []
+    for graphs in (g == "on" for g in args.graphs):
+        with freed_after() as held:
+            # In a function of its own: its locals (the worker, its runner) are gone when it
+            # returns, so `freed_after` can give the device back before the next worker
+            # sizes its KV pool from the free memory.
+            rows += bench_config(name, path, fmt, graphs, args, held)
+    return rows
+
+
+def bench_config(
+    name: str, path: str | None, fmt: str, graphs: bool, args: argparse.Namespace, held: list
+) -> list[dict]:
     from bench.bench_one_batch import run_one_batch
     from managers.model_worker import ModelWorker
 
     rows = []
-    for graphs in (True, False):
-        with freed_after() as held:
-            sargs = server_args(path, fmt, graphs)
-            worker = ModelWorker(sargs)
-            held.append(worker)
-            runner = worker.model_runner
-            captured = runner.cuda_graph_runner is not None
-            assert captured == graphs, f"graphs {'on' if graphs else 'off'}: captured={captured}"
-            base = {"model": name, "graphs": "on" if graphs else "off"}
-            base["kv_pool_tokens"] = runner.max_total_tokens
-            # The static decode batches run on the worker alone, before a scheduler owns it.
-            run_one_batch(worker, 1, args.decode_input_len, 8)  # warm-up
-            for batch in DECODE_BATCHES:
-                decode = bench_decode(
-                    worker, batch, args.decode_input_len, args.steps, args.peak_bandwidth
-                )
-                rows.append(base | decode)
-                print(json.dumps(rows[-1]), flush=True)
-            # W1 with the overlap loop; with graphs on, the same W1 again on the normal loop
-            # (same worker, same prompts), for the overlap on / off ratio.
-            loops = (True, False) if graphs else (True,)
-            for w1 in bench_w1_loops(worker, sargs, args.w1_prompts, 100, 1024, loops, held):
-                rows.append(base | w1)
-                print(json.dumps(rows[-1]), flush=True)
+    sargs = server_args(path, fmt, graphs)
+    worker = ModelWorker(sargs)
+    held.append(worker)
+    runner = worker.model_runner
+    captured = runner.cuda_graph_runner is not None
+    assert captured == graphs, f"graphs {'on' if graphs else 'off'}: captured={captured}"
+    base = {"model": name, "graphs": "on" if graphs else "off"}
+    base["kv_pool_tokens"] = runner.max_total_tokens
+    # The static decode batches run on the worker alone, before a scheduler owns it.
+    run_one_batch(worker, 1, args.decode_input_len, 8)  # warm-up
+    for batch in DECODE_BATCHES:
+        decode = bench_decode(worker, batch, args.decode_input_len, args.steps, args.peak_bandwidth)
+        rows.append(base | decode)
+        print(json.dumps(rows[-1]), flush=True)
+    # W1 with the overlap loop; with graphs on, the same W1 again on the normal loop (same
+    # worker, same prompts), for the overlap on / off ratio.
+    loops = (True, False) if graphs else (True,)
+    for w1 in bench_w1_loops(worker, sargs, args.w1_prompts, 100, 1024, loops, held):
+        rows.append(base | w1)
+        print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -278,6 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--models", nargs="+", default=["default", "qwen3-0.6b"])
     p.add_argument("--skip-checks", action="store_true")
+    p.add_argument("--graphs", nargs="+", choices=["on", "off"], default=["on", "off"])
     p.add_argument("--decode-input-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=64, help="decode steps per decode benchmark")
     p.add_argument("--w1-prompts", type=int, default=256)

@@ -18,10 +18,11 @@ from srt.server_args import ServerArgs
 pytestmark = pytest.mark.gpu
 
 NEW_TOKENS = 48
-# At the first position where two bf16 runs differ, our token must be the reference's
-# runner-up and the reference's top-2 logprob gap at most this: a tie that kernel rounding
-# may flip, not a wrong token. bf16 logits of magnitude 16-32 lie 0.125 apart, so this is
-# two such steps (on the H200, flashinfer and torch_native first parted at a gap of 0.125).
+# At the first position where two bf16 runs differ, our token must be among the reference's
+# top 5 and at most this far below the reference's own pick in logprob: a tie that kernel
+# rounding may flip, not a wrong token. bf16 logits of magnitude 16-32 lie 0.125 apart, so
+# this is two such steps. On the H200 all six first partings were 0 or 0.125 apart, and
+# torch_native itself parts from torch_native when the batch around a request changes.
 BF16_NEAR_TIE = 0.25
 
 
@@ -54,7 +55,7 @@ def driver(**kw) -> Iterator[InProcessDriver]:
 
 def greedy(d: InProcessDriver, prompts: list[list[int]], logprobs: bool = False):
     params = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
-    extra = {"return_logprob": True, "top_logprobs_num": 2} if logprobs else {}
+    extra = {"return_logprob": True, "top_logprobs_num": 5} if logprobs else {}
     outs = d.generate(prompts, params, **extra)
     d.scheduler.check_memory()
     return outs
@@ -65,10 +66,10 @@ def assert_same_greedy(ours: list[int], ref: dict) -> None:
     assert len(ours) == len(ref_ids)
     for pos, (a, b) in enumerate(zip(ours, ref_ids, strict=True)):
         if a != b:
-            (best, _), (second, runner_up) = ref["meta_info"]["output_top_logprobs"][pos][:2]
-            gap = best - second
-            assert a == runner_up, f"position {pos}: {a} is not the reference's top-2 {b}"
-            assert gap <= BF16_NEAR_TIE, f"position {pos}: {a} vs {b}, top-2 gap {gap:.3f}"
+            top = {tok: lp for lp, tok in ref["meta_info"]["output_top_logprobs"][pos]}
+            assert a in top, f"position {pos}: {a} is not in the reference's top {len(top)}"
+            gap = top[b] - top[a]
+            assert gap <= BF16_NEAR_TIE, f"position {pos}: {a} vs {b}, logprob gap {gap:.3f}"
             return
 
 
@@ -129,6 +130,10 @@ def test_w1_run_keeps_memory_integrity(default_model_path: str, page_size: int) 
 
 
 def test_profiled_pool_fills_the_fraction(default_model_path: str) -> None:
+    # What earlier tests left for the collector would be freed inside the runner's profile
+    # and counted there, not here (on the H200 the pool came out 0.6 GB over this budget).
+    gc.collect()
+    torch.cuda.empty_cache()
     free0, total = torch.cuda.mem_get_info()
     budget = 0.88 * total - (total - free0)  # the static budget left before loading
     with driver(

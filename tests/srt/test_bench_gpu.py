@@ -77,3 +77,30 @@ def test_w1_on_both_loops_shares_one_worker(default_model_path: str) -> None:
     assert [r["workload"] for r in rows] == ["W1x (3 prompts)", "W1x (3 prompts) overlap off"]
     assert all(r["tok_per_s"] > 0 for r in rows)
     assert not held[0].scheduler.forward_worker.thread.is_alive()
+
+
+def test_freed_after_lets_every_held_object_go(monkeypatch) -> None:
+    """On the H200 the graphs-off worker found the graphs-on worker's 120 GiB KV pool still
+    allocated: the release loop's variable kept the last driver (and its worker) alive while
+    the cache was emptied, so the memory stayed with torch's allocator."""
+    import weakref
+
+    from bench import bench_gpu
+
+    class Held:
+        pass
+
+    refs: list[weakref.ref] = []
+    alive_at_empty_cache: list[list[bool]] = []
+    monkeypatch.setattr(
+        bench_gpu.torch.cuda,
+        "empty_cache",
+        lambda: alive_at_empty_cache.append([r() is not None for r in refs]),
+    )
+    with bench_gpu.freed_after() as held:
+        for _ in range(2):
+            obj = Held()
+            refs.append(weakref.ref(obj))
+            held.append(obj)
+        del obj
+    assert alive_at_empty_cache == [[False, False]]
