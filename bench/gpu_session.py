@@ -1,4 +1,4 @@
-"""Get a lent GPU's 30 device minutes spent running, not preparing.
+"""Get a lent GPU's 15 device minutes spent running, not preparing.
 
     bash bench/gpu_session.sh prepare [--dry-run]   # here, with PyPI: builds .gpu/
     bash bench/gpu_session.sh plan                  # prints the device calls, in order
