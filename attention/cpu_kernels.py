@@ -457,6 +457,9 @@ class LayerOpsKernel:
         self._rope = library.rope_rows
         self._rope.argtypes = [p, i64, i64, p, i64, i64, p, p, i64, i64, i64, i64, i32, i32, i32]
         self._rope.restype = i32
+        self._argmax = library.argmax_rows
+        self._argmax.argtypes = [p, i64, i64, i64, p, i32]
+        self._argmax.restype = None
 
     @staticmethod
     def accepts(*tensors: torch.Tensor) -> bool:
@@ -557,6 +560,23 @@ class LayerOpsKernel:
             raise IndexError(
                 f"rotary embedding: a position is outside the cache's {cos_sin_cache.shape[0]} rows"
             )
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """`torch.argmax(x, dim=-1)` of a 2-D float32 CPU tensor with contiguous rows: int64
+        [rows], the first index of each row's maximum (of its first NaN, if any)."""
+        assert x.device.type == "cpu" and x.dtype == torch.float32 and _rows(x)
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        if x.shape[1] == 0:
+            raise IndexError("argmax of an empty row")
+        self._argmax(
+            x.data_ptr(),
+            x.stride(0),
+            x.shape[0],
+            x.shape[1],
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return out
 
 
 @functools.cache

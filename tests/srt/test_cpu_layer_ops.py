@@ -166,3 +166,37 @@ def test_no_compiler_leaves_the_torch_code(monkeypatch, tmp_path, caplog):
         torch.testing.assert_close(norm(x), rms_norm_native(x, norm.weight, 1e-6))
     finally:
         cpu_kernels.layer_ops_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("rows", [3, 40])  # 40 x 49152: the OpenMP path
+@pytest.mark.parametrize("cols", [49152, 100, 7])  # 100: a tail after the lanes; 7: tail only
+def test_argmax_matches_torch_with_ties_nan_and_infinities(rows, cols):
+    gen = torch.Generator().manual_seed(rows * cols)
+    # Whole numbers in a small range: many ties, across lanes and in the tail.
+    x = torch.randint(-20, 20, (rows, cols), generator=gen).float()
+    x[0] = float("-inf")  # all -inf: index 0
+    x[1, cols // 2] = float("nan")
+    x[1, cols - 1] = float("nan")  # the first NaN wins
+    x[2, :] = 3.0
+    x[2, cols - 1] = float("inf")
+    assert torch.equal(OPS.argmax(x), x.argmax(dim=-1))
+    wide = torch.randn(rows, cols + 5, generator=gen)[:, :cols]  # a row stride of cols + 5
+    assert torch.equal(OPS.argmax(wide), wide.argmax(dim=-1))
+
+
+def test_greedy_sampler_uses_the_kernel_on_cpu(monkeypatch):
+    from srt.sampling import sampler
+
+    calls = []
+
+    class SpyOps:  # a test double of the kernel object: records, then runs the real kernel
+        def argmax(self, x):
+            calls.append(tuple(x.shape))
+            return OPS.argmax(x)
+
+    monkeypatch.setattr(cpu_kernels, "layer_ops_kernel", SpyOps)
+    logits = torch.randn(4, 1000)
+    assert torch.equal(sampler.greedy_ids(logits), logits.argmax(dim=-1))
+    assert calls == [(4, 1000)]
+    assert torch.equal(sampler.greedy_ids(logits.double()), logits.double().argmax(dim=-1))
+    assert calls == [(4, 1000)]  # float64: torch's argmax
