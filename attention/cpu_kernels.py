@@ -565,9 +565,9 @@ class LayerOpsKernel:
         """`torch.argmax(x, dim=-1)` of a 2-D float32 CPU tensor with contiguous rows: int64
         [rows], the first index of each row's maximum (of its first NaN, if any)."""
         assert x.device.type == "cpu" and x.dtype == torch.float32 and _rows(x)
-        out = torch.empty(x.shape[0], dtype=torch.int64)
         if x.shape[1] == 0:
             raise IndexError("argmax of an empty row")
+        out = torch.empty(x.shape[0], dtype=torch.int64)
         self._argmax(
             x.data_ptr(),
             x.stride(0),

@@ -256,10 +256,7 @@ class KVManager:
         self.rows.req_to_token[span.row, :aligned] = match.device_indices.to(torch.int32)
         self.tree.inc_lock_ref(match.last_node)
         self.tree.dec_lock_ref(span.last_node)
-        # An empty match is a CPU tensor (the tree has no device of its own); the row's
-        # slots may be on the GPU, and torch.cat refuses to mix the two.
-        prefix = match.device_indices if aligned else kv[:0]
-        span.prefix_indices = torch.cat((prefix, kv[aligned:n]))
+        span.prefix_indices = self._row_slots(span, n)  # the tree's slots, then the tail's
         span.last_node = match.last_node
         span.protected_len = aligned
 

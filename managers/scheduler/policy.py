@@ -5,8 +5,9 @@ cached yet but is shared with a request ahead of them in the queue are held back
 round: the request ahead fills the cache, and they hit it next round instead of computing the
 same prefix twice in one batch. Among equal matches, the request that holds back the most
 others goes first: its prefill unblocks them all (with a cold cache and several system
-prompts arriving at once, mean time to first token falls). Past `LPM_FALLBACK_QUEUE_LEN` waiting requests, matching every
-request costs more than it saves and the order falls back to FCFS.
+prompts arriving at once, mean time to first token falls). Past `LPM_FALLBACK_QUEUE_LEN`
+waiting requests, matching every request costs more than it saves and the order falls back
+to FCFS.
 
 With `--enable-priority-scheduling` the queue is ordered by `priority` first (higher values
 first, lower with `--schedule-low-priority-values-first`), and by the policy within one
