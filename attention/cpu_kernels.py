@@ -32,14 +32,18 @@ already loaded (same soname), with `torch.get_num_threads()` threads.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import fcntl
 import functools
 import hashlib
+import json
 import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -356,6 +360,22 @@ class PackedLinearKernel:
         panel = library.packed_linear_panel
         panel.restype = i32
         self.panel = int(panel())
+        self.bf16_plan: Bf16MatmulPlan | None = None
+        if torch.bfloat16 in self._fns:
+            self._set_widen_from = library.packed_linear_bf16_set_widen_from
+            self._set_widen_from.argtypes = [i32]
+            self._set_widen_from.restype = None
+            self.use_bf16_plan(bf16_matmul_plan(self, Path(library._name)))
+
+    def use_bf16_plan(self, plan: Bf16MatmulPlan) -> None:
+        """Run bfloat16 inputs as `plan` says (the widened kernel from `plan.widen_from` rows)."""
+        self._set_widen_from(plan.widen_from)
+        self.bf16_plan = plan
+
+    def runs_all_rows(self, dtype: torch.dtype) -> bool:
+        """Whether inputs of this dtype run the panels at every row count (bfloat16 where the
+        widened kernel beat oneDNN at prefill sizes), not only small ones."""
+        return dtype == torch.bfloat16 and self.bf16_plan is not None and self.bf16_plan.all_rows
 
     def accepts(self, weight: torch.Tensor) -> bool:
         """A dense 2-D CPU weight of a dtype the library was built for (bf16: K even)."""
@@ -404,12 +424,119 @@ class PackedLinearKernel:
             out.stride(0),
             torch.get_num_threads(),
         )
+        if status == 3:
+            raise MemoryError(f"packed linear: no memory to widen {rows.shape[0]} x {k} rows")
         if status:
             raise ValueError(f"packed linear: no bfloat16 kernel for K = {k} (odd)")
         return out.view(*x.shape[:-1], out_features)
 
 
+@dataclass(frozen=True)
+class Bf16MatmulPlan:
+    """Which kernel runs a bfloat16 matmul of how many rows on this CPU (csrc/packed_linear.c):
+    `vdpbf16ps` below `widen_from` rows, the widened kernel (float32 FMAs over the same bf16
+    panels) from there on; `all_rows`: inputs above `SMALL_ROWS` rows run the widened kernel
+    too, not oneDNN. `timings_ms` holds what the choice was made from."""
+
+    widen_from: int
+    all_rows: bool
+    timings_ms: dict[str, float]
+
+
+NEVER = 1 << 30  # a row count no input reaches
+_PLAN_ROWS = (1, 2, 4, 8, 16, 64)
+_PLAN_LARGE_ROWS = 256
+
+
+def _median_ms(fn: Callable[[], object], reps: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[reps // 2] * 1000
+
+
+def _measure_bf16_plan(kernel: PackedLinearKernel) -> Bf16MatmulPlan:
+    """Time `vdpbf16ps` against the widened kernel at decode row counts, and the widened
+    kernel against oneDNN at a prefill size, on one [2048, 576] weight (a decode layer's
+    shape, cache-resident: the kernels' compute rates are what differs)."""
+    try:
+        return _time_bf16_kernels(kernel)
+    finally:  # the kernel runs as its plan says again (none yet: while it is being made)
+        if kernel.bf16_plan is not None:
+            kernel.use_bf16_plan(kernel.bf16_plan)
+
+
+def _time_bf16_kernels(kernel: PackedLinearKernel) -> Bf16MatmulPlan:
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(2048, 576, generator=gen) * 0.05).to(torch.bfloat16)
+    panels = kernel.pack(weight)
+    timings: dict[str, float] = {}
+    widen_from = NEVER
+    for rows in reversed(_PLAN_ROWS):  # the smallest row count from which widening wins
+        x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
+        kernel._set_widen_from(NEVER)
+        dot = timings[f"dot_{rows}"] = _median_ms(lambda: kernel(x, panels, 2048))
+        kernel._set_widen_from(1)
+        widen = timings[f"widen_{rows}"] = _median_ms(lambda: kernel(x, panels, 2048))
+        if widen >= dot:
+            break
+        widen_from = rows
+    x = torch.randn(_PLAN_LARGE_ROWS, 576, generator=gen).to(torch.bfloat16)
+    kernel._set_widen_from(1)
+    widen = timings[f"widen_{_PLAN_LARGE_ROWS}"] = _median_ms(lambda: kernel(x, panels, 2048), 5)
+    all_rows = True
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        onednn_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        onednn = timings[f"onednn_{_PLAN_LARGE_ROWS}"] = _median_ms(
+            lambda: torch.ops.mkldnn._linear_pointwise(x, onednn_weight, None, "none", [], ""), 5
+        )
+        all_rows = widen < onednn
+    return Bf16MatmulPlan(widen_from, all_rows, timings)
+
+
+def bf16_matmul_plan(kernel: PackedLinearKernel, library: Path) -> Bf16MatmulPlan:
+    """The bf16 plan for this machine: `RADIXRT_CPU_BF16_MATMUL=dot` (vdpbf16ps panels up to
+    SMALL_ROWS rows, oneDNN above) or `widen` (the widened kernel at every row count) pin it;
+    by default (`auto`) it is measured once per machine and library and kept beside the
+    library (`<library>.bf16-plan.json`, written under a lock), so every process on a machine
+    runs the same kernels and a bf16 output does not depend on which process computed it."""
+    choice = os.environ.get("RADIXRT_CPU_BF16_MATMUL", "auto").lower()
+    if choice == "dot":
+        return Bf16MatmulPlan(NEVER, False, {})
+    if choice == "widen":
+        return Bf16MatmulPlan(1, True, {})
+    if choice != "auto":
+        raise ValueError(f"RADIXRT_CPU_BF16_MATMUL={choice!r}: expected auto, dot or widen")
+    saved = library.with_name(library.name + ".bf16-plan.json")
+    with open(saved.with_name(saved.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            data = json.loads(saved.read_text())
+            return Bf16MatmulPlan(data["widen_from"], data["all_rows"], data["timings_ms"])
+        except (OSError, ValueError, KeyError):
+            pass
+        plan = _measure_bf16_plan(kernel)
+        tmp = saved.with_name(saved.name + f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(dataclasses.asdict(plan)))
+        os.replace(tmp, saved)
+    logger.info(
+        "CPU bf16 matmuls: vdpbf16ps below %s rows, widened from there; larger inputs: %s (%s)",
+        plan.widen_from,
+        "widened" if plan.all_rows else "oneDNN",
+        ", ".join(f"{k} {v:.3f} ms" for k, v in plan.timings_ms.items()),
+    )
+    return plan
+
+
 def _decode_layer(library: ctypes.CDLL) -> Callable[..., int]:
+    panels = packed_linear_kernel()
+    setter = getattr(library, "packed_linear_bf16_set_widen_from", None)
+    if setter is not None and panels is not None and panels.bf16_plan is not None:
+        setter.argtypes = [ctypes.c_int]
+        setter(panels.bf16_plan.widen_from)  # this library's own copy of the panels' choice
     fn = library.decode_layer
     fn.argtypes = [ctypes.c_void_p] * 5
     fn.restype = ctypes.c_int

@@ -48,6 +48,7 @@
 
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu_vec.h"
@@ -177,6 +178,30 @@ void packed_linear(const float *x, int64_t ldx, const float *packed, const float
 }
 
 #if defined(__AVX512BF16__)
+/* Rows [0, R) of float32 accumulators (32 columns each) plus bias (bf16, or NULL) -> columns
+ * [0, n) of out in bfloat16, rounded once after the bias, as oneDNN does. */
+static inline __attribute__((always_inline)) void store_rows_bf16(__m512 acc[][2], const int R,
+                                                                  const uint16_t *bias, int n,
+                                                                  uint16_t *out, int64_t ldo) {
+    float b[32] = {0};
+    if (bias != NULL)
+        for (int c = 0; c < n; c++) b[c] = bf16_to_f32(bias[c]);
+    for (int m = 0; m < R; m++) {
+        float row[32];
+        vf v0, v1;
+        memcpy(&v0, &acc[m][0], sizeof v0);
+        memcpy(&v1, &acc[m][1], sizeof v1);
+        store_f32(row, v0 + load_f32(b));
+        store_f32(row + 16, v1 + load_f32(b + 16));
+        if (n == 32) {
+            store_bf16(out + m * ldo, load_f32(row));
+            store_bf16(out + m * ldo + 16, load_f32(row + 16));
+        } else {
+            for (int c = 0; c < n; c++) out[m * ldo + c] = bf16_round(row[c]);
+        }
+    }
+}
+
 /* Rows [0, R) of x (bf16, row stride ldx) times one bf16 panel of K / 2 pairs; writes
  * columns [0, n) of out (bf16, row stride ldo), bias (bf16) added in float32 first. */
 static inline __attribute__((always_inline)) void block_bf16(const uint16_t *x, int64_t ldx,
@@ -205,23 +230,7 @@ static inline __attribute__((always_inline)) void block_bf16(const uint16_t *x, 
             acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xv, w1);
         }
     }
-    float b[32] = {0};
-    if (bias != NULL)
-        for (int c = 0; c < n; c++) b[c] = bf16_to_f32(bias[c]);
-    for (int m = 0; m < R; m++) {
-        float row[32];
-        vf v0, v1;
-        memcpy(&v0, &acc[m][0], sizeof v0);
-        memcpy(&v1, &acc[m][1], sizeof v1);
-        store_f32(row, v0 + load_f32(b));
-        store_f32(row + 16, v1 + load_f32(b + 16));
-        if (n == 32) {
-            store_bf16(out + m * ldo, load_f32(row));
-            store_bf16(out + m * ldo + 16, load_f32(row + 16));
-        } else {
-            for (int c = 0; c < n; c++) out[m * ldo + c] = bf16_round(row[c]);
-        }
-    }
+    store_rows_bf16(acc, R, bias, n, out, ldo);
 }
 
 static void panel_rows_bf16(const void *xv, int64_t ldx, const void *panel, const void *limit,
@@ -242,13 +251,115 @@ static void panel_rows_bf16(const void *xv, int64_t ldx, const void *panel, cons
         block_bf16(x + m * ldx, ldx, panel, K, bias, n, out + m * ldo, ldo, ahead, 1);
 }
 
-/* The bfloat16 form of packed_linear (K even); 0 on success. */
+/* The widened bfloat16 kernel: the same pair-interleaved panels, multiplied in float32 FMAs.
+ * A 64-byte line of a panel holds 16 columns x (k, k + 1) as 32-bit pairs, k in the low half,
+ * so the float32 weights of k are the pairs shifted left by 16 and those of k + 1 the pairs
+ * with the low half cleared: two integer ops per vector, no shuffle. x is widened to float32
+ * once per chunk of rows (`packed_linear_bf16`). Where `vdpbf16ps` issues at half the FMA
+ * rate (the 2-core Xeon of the measurements) this runs matmuls at the float32 rate while
+ * reading half the bytes. Prefetching as `block`'s: the first block of a panel runs
+ * PREFETCH_BYTES ahead up to `limit`; later ones fetch the next panel's k-rows in turn. */
+static inline __attribute__((always_inline)) void block_widen(const float *x, int64_t ldx,
+                                                              const uint16_t *panel, int K,
+                                                              const uint16_t *bias, int n,
+                                                              uint16_t *out, int64_t ldo,
+                                                              const char *limit,
+                                                              const uint16_t *next, int every,
+                                                              int phase, const int R) {
+    __m512 acc[12][2];
+    for (int m = 0; m < R; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int k = 0; k < K; k += 2) {
+        const int64_t at = (int64_t)k * 32; /* this pair of k-rows: 32 columns x 2, 128 bytes */
+        if (limit != NULL) {
+            const char *ahead = (const char *)(panel + at) + PREFETCH_BYTES;
+            if (ahead < limit) {
+                __builtin_prefetch(ahead, 0, 2);
+                __builtin_prefetch(ahead + 64, 0, 2);
+            }
+        } else if (next != NULL && (k / 2) % every == phase) {
+            __builtin_prefetch(next + at, 0, 2);
+            __builtin_prefetch(next + at + 32, 0, 2);
+        }
+        const __m512i p0 = _mm512_loadu_si512(panel + at);
+        const __m512i p1 = _mm512_loadu_si512(panel + at + 32);
+        const __m512 w00 = _mm512_castsi512_ps(_mm512_slli_epi32(p0, 16));
+        const __m512 w01 = _mm512_castsi512_ps(_mm512_slli_epi32(p1, 16));
+        const __m512 w10 = _mm512_castsi512_ps(_mm512_and_si512(p0, high));
+        const __m512 w11 = _mm512_castsi512_ps(_mm512_and_si512(p1, high));
+        for (int m = 0; m < R; m++) {
+            const __m512 x0 = _mm512_set1_ps(x[m * ldx + k]);
+            const __m512 x1 = _mm512_set1_ps(x[m * ldx + k + 1]);
+            acc[m][0] = _mm512_fmadd_ps(x0, w00, acc[m][0]);
+            acc[m][1] = _mm512_fmadd_ps(x0, w01, acc[m][1]);
+            acc[m][0] = _mm512_fmadd_ps(x1, w10, acc[m][0]);
+            acc[m][1] = _mm512_fmadd_ps(x1, w11, acc[m][1]);
+        }
+    }
+    store_rows_bf16(acc, R, bias, n, out, ldo);
+}
+
+static void panel_rows_widen(const void *xv, int64_t ldx, const void *panel, const void *limit,
+                             int K, const void *bias, int n, void *outv, int64_t ldo, int rows) {
+    const float *x = xv;
+    uint16_t *out = outv;
+    const char *ahead = limit; /* the first block prefetches ahead; NULL after it */
+    const uint16_t *next = (const uint16_t *)panel + (int64_t)K * 32;
+    if ((const char *)next >= (const char *)limit) next = NULL; /* the thread's last panel */
+    int m = 0;
+    const int later = rows / 12 - 1; /* full blocks after the first, sharing `next` */
+    if (rows >= 8 && rows < 12) {
+        block_widen(x, ldx, panel, K, bias, n, out, ldo, ahead, NULL, 1, 0, 8);
+        m = 8, ahead = NULL;
+    }
+    for (int i = -1; m + 12 <= rows; m += 12, ahead = NULL, i++)
+        block_widen(x + m * ldx, ldx, panel, K, bias, n, out + m * ldo, ldo, ahead, next, later,
+                    i, 12);
+    for (; m + 4 <= rows; m += 4, ahead = NULL)
+        block_widen(x + m * ldx, ldx, panel, K, bias, n, out + m * ldo, ldo, ahead, NULL, 1, 0, 4);
+    for (; m < rows; m++, ahead = NULL)
+        block_widen(x + m * ldx, ldx, panel, K, bias, n, out + m * ldo, ldo, ahead, NULL, 1, 0, 1);
+}
+
+/* Which bfloat16 kernel runs inputs of how many rows: inputs of at least this many rows run
+ * the widened kernel, smaller ones `vdpbf16ps`. Set from attention/cpu_kernels.py, which
+ * times both on the machine at hand (a library keeps its own copy: decode_layer.c includes
+ * this file). */
+static int widen_from_rows = 1;
+
+void packed_linear_bf16_set_widen_from(int rows) { widen_from_rows = rows; }
+
+/* The bfloat16 form of packed_linear (K even); 0 on success, 2 for an odd K, 3 when out of
+ * memory. */
 int packed_linear_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed,
                        const uint16_t *bias, int M, int N, int K, uint16_t *out, int64_t ldo,
                        int num_threads) {
     if (K % 2 != 0) return 2;
-    over_panels(panel_rows_bf16, sizeof(uint16_t), 32, x, ldx, packed, bias, M, N, K, out, ldo,
-                num_threads);
+    if (M < widen_from_rows) {
+        over_panels(panel_rows_bf16, sizeof(uint16_t), 32, x, ldx, packed, bias, M, N, K, out,
+                    ldo, num_threads);
+        return 0;
+    }
+    /* The widened kernel reads x in float32: each chunk of rows is widened once, then
+     * over_panels walks the panels in bf16 units (panel bytes, bias and out columns) for that
+     * one chunk (rows <= ROW_CHUNK, so it never offsets x by its bf16 element size). */
+    const int chunk = M < ROW_CHUNK ? M : ROW_CHUNK;
+    float *wide = malloc((size_t)chunk * K * sizeof(float));
+    if (wide == NULL) return 3;
+    for (int r0 = 0; r0 < M; r0 += ROW_CHUNK) {
+        const int rows = M - r0 < ROW_CHUNK ? M - r0 : ROW_CHUNK;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int m = 0; m < rows; m++) {
+            const uint16_t *src = x + (int64_t)(r0 + m) * ldx;
+            float *dst = wide + (int64_t)m * K;
+            int k = 0;
+            for (; k + W <= K; k += W) store_f32(dst + k, load_bf16(src + k));
+            for (; k < K; k++) dst[k] = bf16_to_f32(src[k]);
+        }
+        over_panels(panel_rows_widen, sizeof(uint16_t), 32, wide, K, packed, bias, rows, N, K,
+                    out + (int64_t)r0 * ldo, ldo, num_threads);
+    }
+    free(wide);
     return 0;
 }
 #endif

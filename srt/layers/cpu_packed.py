@@ -94,7 +94,9 @@ class PackableLinear(nn.Module):
         packed = self.packed_weight
         if packed is not None and not x.is_cuda and x.dtype == packed.dtype:
             kernel = self.panel_kernel
-            if kernel is not None and x.numel() <= SMALL_ROWS * x.shape[-1]:
+            if kernel is not None and (
+                x.numel() <= SMALL_ROWS * x.shape[-1] or kernel.runs_all_rows(x.dtype)
+            ):
                 return kernel(x, self.panel_weight, self.weight.shape[0], bias)
             return packed_linear(x, packed, bias)
         return torch.nn.functional.linear(x, self.weight, bias)

@@ -1,14 +1,18 @@
-"""Prepacked CPU weights: same results as F.linear (oneDNN's copy, and for float32 the
-compiled panel kernel that runs small inputs), a fallback where oneDNN has no kernel, and the
-model runner packs every matmul weight unless told not to."""
+"""Prepacked CPU weights: same results as F.linear (oneDNN's copy, and the compiled panel
+kernel that runs small inputs: float32, and bfloat16 through `vdpbf16ps` or widened to float32
+FMAs, as the measured plan says), a fallback where oneDNN has no kernel, and the model runner
+packs every matmul weight unless told not to."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from attention.cpu_kernels import packed_linear_kernel
+from attention import cpu_kernels
+from attention.cpu_kernels import NEVER, Bf16MatmulPlan, packed_linear_kernel
 from srt.layers.cpu_packed import can_pack, prepack_cpu_weights
 from srt.layers.linear import QKVLinear, ReplicatedLinear
 from srt.layers.vocab_embedding import LMHead
@@ -96,9 +100,26 @@ def test_model_runner_prepacks_unless_disabled(tmp_path, disable: bool) -> None:
 
 KERNEL = packed_linear_kernel()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the kernel cannot build")
+needs_bf16_kernel = pytest.mark.skipif(
+    KERNEL is None or KERNEL.bf16_plan is None, reason="no AVX512_BF16: no bf16 panel kernel"
+)
+DOT, WIDEN = Bf16MatmulPlan(NEVER, False, {}), Bf16MatmulPlan(1, True, {})
+
+
+@pytest.fixture(params=["dot", "widen"])
+def bf16_kernel(request):
+    """Each bf16 panel kernel in turn (`vdpbf16ps`, widened), the machine's plan restored."""
+    if KERNEL is None or KERNEL.bf16_plan is None:
+        yield request.param
+        return
+    saved = KERNEL.bf16_plan
+    KERNEL.use_bf16_plan(DOT if request.param == "dot" else WIDEN)
+    yield request.param
+    KERNEL.use_bf16_plan(saved)
 
 
 @needs_kernel
+@pytest.mark.usefixtures("bf16_kernel")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("out_features", "in_features"), [(80, 48), (33, 6), (100, 130), (64, 2)])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -148,8 +169,85 @@ def test_small_inputs_take_the_panel_kernel() -> None:
             calls.append(x.shape[0])
             return kernel(x, *args)
 
+        def runs_all_rows(self, dtype):
+            return kernel.runs_all_rows(dtype)
+
     layer.panel_kernel = CountingKernel()
     for rows in (1, cpu_packed.SMALL_ROWS, cpu_packed.SMALL_ROWS + 1):
         x = torch.randn(rows, 48)
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
     assert calls == [1, cpu_packed.SMALL_ROWS]
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize("rows", [1, 5, 8, 12, 13, 30, 64, 65, 1100])
+def test_widened_bf16_equals_float32_panels_on_widened_inputs(rows: int) -> None:
+    """The widened kernel is the float32 kernel on the bf16 values (same FMAs in the same
+    order), rounded once: bit for bit, partial last panel and bias included."""
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(100, 576, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(100, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
+    saved = KERNEL.bf16_plan
+    KERNEL.use_bf16_plan(WIDEN)
+    try:
+        got = KERNEL(x, KERNEL.pack(weight), 100, bias)
+    finally:
+        KERNEL.use_bf16_plan(saved)
+    expected = KERNEL(x.float(), KERNEL.pack(weight.float()), 100, bias.float())
+    assert torch.equal(got, expected.to(torch.bfloat16))
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize(("plan", "panel_rows"), [(DOT, [1, 64]), (WIDEN, [1, 64, 65])])
+def test_large_bf16_inputs_take_the_panels_when_the_plan_says(plan, panel_rows) -> None:
+    """Past SMALL_ROWS rows a bf16 layer runs oneDNN unless the plan found the widened kernel
+    faster there; either way the result is F.linear's within bf16 rounding."""
+    from srt.layers import cpu_packed
+
+    layer = initialised(ReplicatedLinear(64, 80, bias=False)).to(torch.bfloat16)
+    assert layer.pack_for_cpu()
+    calls: list[int] = []
+    kernel = layer.panel_kernel
+
+    class CountingKernel:  # a test double around the real kernel
+        def __call__(self, x, *args):
+            calls.append(x.shape[0])
+            return kernel(x, *args)
+
+        def runs_all_rows(self, dtype):
+            return kernel.runs_all_rows(dtype)
+
+    layer.panel_kernel = CountingKernel()
+    saved = KERNEL.bf16_plan
+    KERNEL.use_bf16_plan(plan)
+    try:
+        for rows in (1, cpu_packed.SMALL_ROWS, cpu_packed.SMALL_ROWS + 1):
+            x = torch.randn(rows, 64).to(torch.bfloat16)
+            expected = F.linear(x.float(), layer.weight.float()).to(torch.bfloat16)
+            torch.testing.assert_close(layer(x), expected, atol=2e-2, rtol=2e-2)
+    finally:
+        KERNEL.use_bf16_plan(saved)
+    assert calls == panel_rows
+
+
+@needs_bf16_kernel
+def test_bf16_plan_is_measured_once_and_kept(tmp_path, monkeypatch) -> None:
+    """`auto` measures the plan and keeps it beside the library; the next process (here, the
+    next call) reads it back instead of measuring; `dot` / `widen` pin it; other values fail."""
+    monkeypatch.setenv("RADIXRT_CPU_BF16_MATMUL", "auto")
+    library = tmp_path / "packed_linear-test.so"
+    measured = cpu_kernels.bf16_matmul_plan(KERNEL, library)
+    saved = tmp_path / "packed_linear-test.so.bf16-plan.json"
+    assert json.loads(saved.read_text())["widen_from"] == measured.widen_from
+    assert measured.widen_from in (*cpu_kernels._PLAN_ROWS, NEVER)
+    assert {"dot_64", "widen_64", "widen_256"} <= measured.timings_ms.keys()
+    saved.write_text(json.dumps({"widen_from": 3, "all_rows": False, "timings_ms": {}}))
+    assert cpu_kernels.bf16_matmul_plan(KERNEL, library) == Bf16MatmulPlan(3, False, {})
+    monkeypatch.setenv("RADIXRT_CPU_BF16_MATMUL", "dot")
+    assert cpu_kernels.bf16_matmul_plan(KERNEL, library) == DOT
+    monkeypatch.setenv("RADIXRT_CPU_BF16_MATMUL", "widen")
+    assert cpu_kernels.bf16_matmul_plan(KERNEL, library) == WIDEN
+    monkeypatch.setenv("RADIXRT_CPU_BF16_MATMUL", "fast")
+    with pytest.raises(ValueError, match="auto, dot or widen"):
+        cpu_kernels.bf16_matmul_plan(KERNEL, library)
