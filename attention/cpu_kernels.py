@@ -7,7 +7,10 @@
   pool in place too: many new tokens per request, causal over the cached prefix).
 - `packed_linear_kernel()`: linear layers against a weight packed once at load (float32; bf16
   where the CPU has AVX512_BF16), for small row counts (`csrc/packed_linear.c`; used by
-  `srt/layers/cpu_packed.py`).
+  `srt/layers/cpu_packed.py`). bf16 has two kernels (`vdpbf16ps`, and float32 FMAs over
+  widened weights); `bf16_matmul_plan` times them once per machine and library and keeps
+  the choice in `<library>.bf16-plan.json` beside it (`RADIXRT_CPU_BF16_MATMUL=dot|widen`
+  pins it), so every process on a machine runs the same bf16 kernels.
 - `decode_layer_kernel()`: one decoder layer of a decode step in one call (`csrc/decode_layer.c`,
   which includes the three sources above and runs their kernels in the layer's order).
 - `layer_ops_kernel()`: the elementwise layer ops of `csrc/layer_ops.c` (RMSNorm with the

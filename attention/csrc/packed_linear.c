@@ -39,11 +39,22 @@
  * stored its accumulator (16 rows 34.5 -> 26.5 ms, 64 rows 78.0 -> 66.9 ms in the harness).
  *
  * bfloat16 (built only where the CPU has AVX512_BF16): the same panels with pairs of k
- * interleaved, packed[N_pad / 32][K / 2][32][2] (K even), and `vdpbf16ps` multiplies a
- * broadcast pair (x[m][k], x[m][k + 1]) into a weight vector of 16 columns x 2 k, summing in
- * float32; the output is rounded to bfloat16 once, after the bias, as oneDNN does. Only its
- * first block prefetches (ahead, as above): at 24+ rows `vdpbf16ps` is the bound, not the
- * stream.
+ * interleaved, packed[N_pad / 32][K / 2][32][2] (K even), and two kernels over them, both
+ * summing in float32 and rounding the output to bfloat16 once, after the bias, as oneDNN
+ * does:
+ * - `vdpbf16ps` multiplies a broadcast pair (x[m][k], x[m][k + 1]) into a weight vector of 16
+ *   columns x 2 k. Only its first block prefetches (ahead, as above): at 24+ rows
+ *   `vdpbf16ps` is the bound, not the stream.
+ * - The widened kernel turns each weight vector into two float32 vectors with one shift and
+ *   one mask (no shuffle) and runs `block`'s float32 FMAs, on x widened to float32 once per
+ *   call. On the 2-core Xeon of the measurements (avx512_bf16, no AMX) `vdpbf16ps` issues at
+ *   about half the FMA rate: over SmolLM2-135M's 121 matmuls (scratch harness) the widened
+ *   kernel takes 16 rows 18.7 ms against 27.9, 64 rows 69.4 against 106.3, 384 rows 391
+ *   against 638 (oneDNN's bf16: 638; float32 panels: 379), and `vdpbf16ps` stays ahead only
+ *   at 1-2 rows (7.8 against 8.7 ms at 1 row), where the stream is the bound. Its result is
+ *   the float32 kernel's on the widened values, bit for bit.
+ * Which one runs is set per machine (`packed_linear_bf16_set_widen_from`), from a measured
+ * plan: attention/cpu_kernels.py times both once and keeps the choice beside the library.
  */
 
 #include <omp.h>

@@ -11,9 +11,15 @@ bench.bench_dtype --tokens 16 256 1024` with and without `--prepacked`): float32
 (`bench/bench_one_batch.py`): float32 178 -> 134 ms, bfloat16 87 -> 74 ms.
 
 Weights also get a second packed copy, in the panels of `attention/csrc/packed_linear.c`
-(float32; bfloat16 where the CPU has AVX512_BF16, through `vdpbf16ps`), and inputs of at most
-`SMALL_ROWS` rows (decode, one row per running request; small extends) run that kernel: it
-streams each panel once at the FMA rate, where oneDNN's small-row kernels do not.
+(float32; bfloat16 where the CPU has AVX512_BF16), and inputs of at most `SMALL_ROWS` rows
+(decode, one row per running request; small extends) run that kernel: it streams each panel
+once at the FMA rate, where oneDNN's small-row kernels do not. In bfloat16 the kernel either
+multiplies with `vdpbf16ps` or widens the weights to float32 FMAs, as the machine's measured
+plan says (`attention.cpu_kernels.bf16_matmul_plan`); where the widened kernel also beat
+oneDNN at a prefill size (a CPU whose `vdpbf16ps` is slow and that has no AMX), bfloat16
+inputs of every size run the panels (`PackedLinearKernel.runs_all_rows`): on the 2-core Xeon
+a 384-token bf16 prefill of SmolLM2-135M took 713 ms through oneDNN and 411 ms widened
+(float32: 349 ms).
 SmolLM2-135M's 121 matmuls (30 layers' qkv, o, gate-up, down, and the LM head), weights from
 DRAM, medians (scratch script, 2-core AMD EPYC Zen 4), oneDNN -> kernel: float32 1 row 28.6
 -> 20.6 ms, 16 rows 33.3 -> 29.5 ms (re-run 32.9 -> 27.9), 64 rows 93.7 -> 89.5 ms (capped to
