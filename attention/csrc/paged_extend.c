@@ -250,6 +250,83 @@ static void run_item(const item_t *it, const float *q, const void *k_cache, cons
     }
 }
 
+/* Query rows of one shared-prefix item (paged_decode.c): the members whose queries one item
+ * stacks are at most SHARED_ROWS / G. */
+#define SHARED_ROWS 64
+
+/* Decode over a shared prefix (paged_decode.c's shared items): the one new token of each of
+ * `nm` requests (members[0..nm)), the G query heads of KV head h each, over keys
+ * [k_begin, k_end) of `slots`, which every member sees whole. The rows (r = i * G + g) are
+ * stacked as run_item stacks a block's new tokens, so the same register-blocked products run,
+ * with nothing masked. Leaves each member's part for head h: part(b) = parts + (b *
+ * parts_per_req + part) * part_size holds the unnormalised output [H][D], then the running
+ * maxima [H] and sums [H], as paged_decode.c's merge reads them. */
+static void shared_rows(const float *q, const int64_t *members, int nm, int h, int H, int G,
+                        int D, float scale, const void *k_cache, const void *v_cache,
+                        int kv_bf16, int64_t slot_stride, const int32_t *slots, int64_t k_begin,
+                        int64_t k_end, float *parts, int64_t parts_per_req, int64_t part,
+                        int64_t part_size, scratch_t *w) {
+    const int rows = nm * G;
+    const int rp = (rows + RV - 1) / RV * RV;
+    for (int r = 0; r < rp; r++) {
+        w->m[r] = -FLT_MAX;
+        w->l[r] = 0.f;
+        memset(w->o + (int64_t)r * D, 0, sizeof(float) * D);
+        const float *src = r < rows ? q + (members[r / G] * H + (int64_t)h * G + r % G) * D : NULL;
+        for (int d = 0; d < D; d++) w->qt[(int64_t)d * rp + r] = src != NULL ? src[d] * scale : 0.f;
+    }
+    for (int64_t k0 = k_begin; k0 < k_end; k0 += KT) {
+        const int tn = (int)(k_end - k0 < KT ? k_end - k0 : KT);
+        load_tiles(k_cache, v_cache, kv_bf16, slot_stride, slots + k0, tn, h, D, w->kb, w->vb);
+        for (int r0 = 0; r0 < rp; r0 += RV)
+            for (int j0 = 0; j0 < tn; j0 += RK)
+                tile_scores(w->qt + r0, rp, w->kb + (int64_t)j0 * D, D,
+                            w->st + (int64_t)j0 * rp + r0);
+        for (int r0 = 0; r0 < rp; r0 += W) {
+            const vf m = load_f32(w->m + r0);
+            vf tile_max = (vf){0} - FLT_MAX;
+            for (int j = 0; j < tn; j++)
+                tile_max = max_lanes(load_f32(w->st + (int64_t)j * rp + r0), tile_max);
+            const vf new_m = max_lanes(m, tile_max);
+            vf sum = {0};
+            for (int j = 0; j < tn; j++) {
+                float *sj = w->st + (int64_t)j * rp + r0;
+                const vf p = exp_nonpos_v(load_f32(sj) - new_m);
+                store_f32(sj, p);
+                sum += p;
+            }
+            const vf alpha = exp_nonpos_v(m - new_m);
+            store_f32(w->alpha + r0, alpha);
+            store_f32(w->l + r0, load_f32(w->l + r0) * alpha + sum);
+            store_f32(w->m + r0, new_m);
+        }
+        for (int r0 = 0; r0 < rows; r0 += RB) {
+            const int nr = rows - r0 < RB ? rows - r0 : RB;
+            for (int col = 0; col < D; col += NKV * W) {
+                float *o = w->o + (int64_t)r0 * D;
+                const float *pt = w->st + r0, *alpha = w->alpha + r0;
+                switch (nr) {
+                    case RB: tile_values(o, pt, rp, alpha, w->vb, D, col, tn, RB); break;
+                    case 1: tile_values(o, pt, rp, alpha, w->vb, D, col, tn, 1); break;
+                    case 2: tile_values(o, pt, rp, alpha, w->vb, D, col, tn, 2); break;
+#if RB > 3
+                    case 3: tile_values(o, pt, rp, alpha, w->vb, D, col, tn, 3); break;
+                    case 4: tile_values(o, pt, rp, alpha, w->vb, D, col, tn, 4); break;
+                    case 5: tile_values(o, pt, rp, alpha, w->vb, D, col, tn, 5); break;
+#endif
+                }
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        const int j = h * G + r % G;
+        float *dst = parts + (members[r / G] * parts_per_req + part) * part_size;
+        memcpy(dst + (int64_t)j * D, w->o + (int64_t)r * D, sizeof(float) * D);
+        dst[(int64_t)H * D + j] = w->m[r];
+        dst[(int64_t)H * D + H + j] = w->l[r];
+    }
+}
+
 /* Head dims that are whole multiples of a tile's columns (64 and 128 on every build). */
 int paged_extend_supports(int H, int Hkv, int D) {
     if (Hkv <= 0 || H % Hkv != 0) return 0;
