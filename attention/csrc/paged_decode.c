@@ -16,9 +16,7 @@
  * each of its tokens' K and V rows (all KV heads) once for all H queries, in tiles of TILE
  * tokens with an online softmax (running max and sum, float32). Long sequences are split so
  * that there are enough items for every thread; the splits are merged at the end by their
- * maxima and sums. A prefix that several requests share (a radix-cache hit) is read once for
- * all of them, their queries stacked as the rows of paged_extend.c's register-blocked
- * products (included below; see paged_decode_attention).
+ * maxima and sums.
  */
 
 #include <float.h>
@@ -27,7 +25,6 @@
 #include <string.h>
 
 #include "cpu_vec.h"
-#include "paged_extend.c"
 
 #define TILE 128
 #define MIN_SPLIT_TOKENS 256
@@ -277,22 +274,15 @@ static void merge_parts(const float *first, int64_t num_parts, int64_t part_size
 /* Shared prefixes (the radix cache's doing: requests that matched the same cached prefix hold
  * the same KV slots for it). leaders[b] is the first request of b's group and shared_lens[b]
  * the group's common prefix in tokens (0: b shares nothing; then leaders[b] = b). A group's
- * prefix is read in chunks of SHARED_CHUNK tokens: one work item per chunk, KV head and batch
- * of at most SHARED_ROWS / G members stacks those members' queries of that head as the rows
- * of an extend block (paged_extend.c's `shared_rows`) and multiplies them against the chunk's
- * K and V in register blocks, each K/V row copied out of the pool once per item. Member by
- * member (each one query row against each key, its sums reduced across lanes) the same
- * chunk took ~3x as long. Each member's tokens past the prefix are its own items, split as
- * without sharing; the parts of a request are merged at the end by their maxima and sums.
- * leaders and shared_lens may both be NULL: nothing shared.
+ * prefix is read in chunks of SHARED_CHUNK tokens, one work item per chunk that attends every
+ * member's queries to it in turn: the first member reads the chunk's K/V rows from memory,
+ * the others find them in L2 (K and V of 256 tokens, 3 KV heads of 64 floats: 384 KB). Each
+ * member's tokens past the prefix are its own items, split as without sharing; the parts of a
+ * request are merged at the end by their maxima and sums. leaders and shared_lens may both be
+ * NULL: nothing shared.
  *
  * Returns 0 on success, 1 when scratch memory could not be allocated, 2 for a shape
  * paged_decode_supports rejects. */
-typedef struct {
-    int64_t leader, chunk, first; /* first: the item's first member in `members` */
-    int h, count;
-} shared_item_t;
-
 int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int kv_bf16,
                            int64_t slot_stride, const int32_t *req_to_token, int64_t r2t_stride,
                            const int64_t *pool_rows, const int64_t *seq_lens,
@@ -300,18 +290,17 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
                            int Hkv, int D, float scale, float *out, int num_threads) {
     if (!paged_decode_supports(H, Hkv, D)) return 2;
     const int G = H / Hkv;
-    /* Members whose queries one shared item stacks (G <= 8, so at least 8). */
-    const int per_item = SHARED_ROWS / G;
     /* Without a plan nothing is shared: every request its own leader, no common prefix. */
     const int planned = leaders != NULL && shared_lens != NULL;
 #define LEADER(b) (planned ? leaders[b] : (int64_t)(b))
 #define SHARED(b) (planned ? shared_lens[b] : (int64_t)0)
-    int64_t max_own = 0, max_chunks = 0;
+    int64_t max_own = 0, max_chunks = 0, shared_items = 0;
     for (int b = 0; b < B; b++) {
         const int64_t own = seq_lens[b] - SHARED(b);
         const int64_t chunks = (SHARED(b) + SHARED_CHUNK - 1) / SHARED_CHUNK;
         max_own = own > max_own ? own : max_own;
         max_chunks = chunks > max_chunks ? chunks : max_chunks;
+        if (LEADER(b) == b) shared_items += chunks;
     }
     /* Enough items to keep every thread busy, without splits shorter than MIN_SPLIT_TOKENS. */
     int64_t items_wanted = 4 * (int64_t)num_threads;
@@ -325,19 +314,19 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
     const int direct = parts_per_req == 1;
     const int64_t part_size = (int64_t)H * (D + 2);
     float *parts = NULL;
-    int64_t *members = NULL, *member_begin = NULL;
-    shared_item_t *shared = NULL;
-    int64_t shared_items = 0;
+    int64_t *members = NULL, *member_begin = NULL, *item_leader = NULL;
     if (!direct) {
         parts = (float *)malloc(sizeof(float) * (size_t)(B * parts_per_req * part_size));
-        /* Members of each leader's group, contiguous (a counting sort by leader). */
-        members = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * B + 1));
+        /* Members of each leader's group, contiguous (a counting sort by leader), and the
+         * leader and chunk of each shared item. */
+        members = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * B + 1 + shared_items + 1));
         if (parts == NULL || members == NULL) {
             free(parts);
             free(members);
             return 1;
         }
         member_begin = members + B;
+        item_leader = member_begin + B + 1;
         for (int b = 0; b <= B; b++) member_begin[b] = 0;
         for (int b = 0; b < B; b++)
             if (SHARED(b) > 0) member_begin[LEADER(b) + 1]++;
@@ -346,30 +335,11 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
         for (int b = 0; b < B; b++) fill[b] = member_begin[b];
         for (int b = 0; b < B; b++)
             if (SHARED(b) > 0) members[fill[LEADER(b)]++] = b;
-        /* One item per (leader, chunk, KV head, batch of per_item members). */
-        for (int b = 0; b < B; b++) {
-            const int64_t n = member_begin[b + 1] - member_begin[b];
-            if (LEADER(b) == b && SHARED(b) > 0)
-                shared_items += (SHARED(b) + SHARED_CHUNK - 1) / SHARED_CHUNK * Hkv *
-                                ((n + per_item - 1) / per_item);
-        }
-        shared = (shared_item_t *)malloc(sizeof(shared_item_t) * (size_t)(shared_items + 1));
-        if (shared == NULL) {
-            free(parts);
-            free(members);
-            return 1;
-        }
         int64_t i = 0;
-        for (int b = 0; b < B; b++) {
-            if (LEADER(b) != b || SHARED(b) <= 0) continue;
-            for (int64_t c = 0; c * SHARED_CHUNK < SHARED(b); c++)
-                for (int h = 0; h < Hkv; h++)
-                    for (int64_t f = member_begin[b]; f < member_begin[b + 1]; f += per_item) {
-                        const int64_t left = member_begin[b + 1] - f;
-                        shared[i++] = (shared_item_t){b, c, f, h,
-                                                      (int)(left < per_item ? left : per_item)};
-                    }
-        }
+        for (int b = 0; b < B; b++)
+            if (LEADER(b) == b && SHARED(b) > 0)
+                for (int64_t c = 0; c * SHARED_CHUNK < SHARED(b); c++)
+                    item_leader[i++] = b * max_chunks + c;
         /* A request's unused prefix-chunk parts saw no token. */
         for (int b = 0; b < B; b++)
             for (int64_t c = (SHARED(b) + SHARED_CHUNK - 1) / SHARED_CHUNK; c < max_chunks;
@@ -380,69 +350,59 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
     }
     const int64_t num_items = shared_items + (int64_t)B * splits;
 
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
-    {
-        /* Scratch for the shared items' stacked rows; a thread without it skips them. */
-        scratch_t w = {0};
-        const int ok = shared_items == 0 || scratch_alloc(&w, SHARED_ROWS, D) == 0;
-        failed = !ok;
-        /* Shared items first: they are the longest (every member of a group). */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < num_items; item++) {
-            float m[H], l[H];
-            if (item < shared_items) {
-                const shared_item_t *it = &shared[item];
-                const int64_t t_begin = it->chunk * SHARED_CHUNK;
-                const int64_t t_end = t_begin + SHARED_CHUNK < SHARED(it->leader)
-                                          ? t_begin + SHARED_CHUNK
-                                          : SHARED(it->leader);
-                if (ok)
-                    shared_rows(q, members + it->first, it->count, it->h, H, G, D, scale,
-                                k_cache, v_cache, kv_bf16, slot_stride,
-                                req_to_token + pool_rows[it->leader] * r2t_stride, t_begin,
-                                t_end, parts, parts_per_req, it->chunk, part_size, &w);
-                continue;
-            }
-            const int64_t b = (item - shared_items) / splits;
-            const int64_t split = (item - shared_items) % splits;
-            const int64_t own_begin = SHARED(b), n = seq_lens[b];
-            const int64_t chunk = (n - own_begin + splits - 1) / splits;
-            const int64_t t_begin = own_begin + split * chunk;
-            const int64_t t_end = t_begin + chunk < n ? t_begin + chunk : n;
-            const int32_t *slots = req_to_token + pool_rows[b] * r2t_stride;
-            const float *qb = q + b * H * D;
-            if (direct) {
-                float *acc = out + b * H * D;
-                attend_dispatch(qb, k_cache, v_cache, kv_bf16, slot_stride, slots, t_begin,
-                                t_end, Hkv, G, D, scale, acc, m, l);
-                for (int j = 0; j < H; j++) {
-                    float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
-                    for (int d = 0; d < D; d++) acc[j * D + d] *= inv;
-                }
-            } else {
-                float *part = parts + (b * parts_per_req + max_chunks + split) * part_size;
-                attend_dispatch(qb, k_cache, v_cache, kv_bf16, slot_stride, slots, t_begin,
-                                t_end, Hkv, G, D, scale, part, m, l);
+    /* Shared items first: they are the longest (every member of a group). */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t item = 0; item < num_items; item++) {
+        float m[H], l[H];
+        if (item < shared_items) {
+            const int64_t g = item_leader[item] / max_chunks, c = item_leader[item] % max_chunks;
+            const int64_t t_begin = c * SHARED_CHUNK;
+            const int64_t t_end =
+                t_begin + SHARED_CHUNK < SHARED(g) ? t_begin + SHARED_CHUNK : SHARED(g);
+            for (int64_t i = member_begin[g]; i < member_begin[g + 1]; i++) {
+                const int64_t b = members[i];
+                float *part = parts + (b * parts_per_req + c) * part_size;
+                attend_dispatch(q + b * H * D, k_cache, v_cache, kv_bf16, slot_stride,
+                                req_to_token + pool_rows[b] * r2t_stride, t_begin, t_end, Hkv, G,
+                                D, scale, part, m, l);
                 memcpy(part + (int64_t)H * D, m, sizeof(float) * H);
                 memcpy(part + (int64_t)H * D + H, l, sizeof(float) * H);
             }
+            continue;
         }
-        if (shared_items > 0 && ok) scratch_free(&w);
+        const int64_t b = (item - shared_items) / splits, split = (item - shared_items) % splits;
+        const int64_t own_begin = SHARED(b), n = seq_lens[b];
+        const int64_t chunk = (n - own_begin + splits - 1) / splits;
+        const int64_t t_begin = own_begin + split * chunk;
+        const int64_t t_end = t_begin + chunk < n ? t_begin + chunk : n;
+        const int32_t *slots = req_to_token + pool_rows[b] * r2t_stride;
+        const float *qb = q + b * H * D;
+        if (direct) {
+            float *acc = out + b * H * D;
+            attend_dispatch(qb, k_cache, v_cache, kv_bf16, slot_stride, slots, t_begin, t_end,
+                            Hkv, G, D, scale, acc, m, l);
+            for (int j = 0; j < H; j++) {
+                float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
+                for (int d = 0; d < D; d++) acc[j * D + d] *= inv;
+            }
+        } else {
+            float *part = parts + (b * parts_per_req + max_chunks + split) * part_size;
+            attend_dispatch(qb, k_cache, v_cache, kv_bf16, slot_stride, slots, t_begin, t_end,
+                            Hkv, G, D, scale, part, m, l);
+            memcpy(part + (int64_t)H * D, m, sizeof(float) * H);
+            memcpy(part + (int64_t)H * D + H, l, sizeof(float) * H);
+        }
     }
 
     if (!direct) {
-        if (!failed) {
 #pragma omp parallel for num_threads(num_threads)
-            for (int b = 0; b < B; b++)
-                merge_parts(parts + b * parts_per_req * part_size, parts_per_req, part_size, H,
-                            D, out + (int64_t)b * H * D);
-        }
+        for (int b = 0; b < B; b++)
+            merge_parts(parts + b * parts_per_req * part_size, parts_per_req, part_size, H, D,
+                        out + (int64_t)b * H * D);
         free(parts);
         free(members);
-        free(shared);
     }
 #undef LEADER
 #undef SHARED
-    return failed;
+    return 0;
 }
