@@ -115,6 +115,28 @@ def test_decode_over_shared_prefix_slots(dtype, num_heads, num_kv_heads, head_di
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 1, 128)])
+def test_decode_shared_group_of_many_members(dtype, num_heads, num_kv_heads, head_dim):
+    """A group of 25 members over a 270-token prefix (two chunks, the second partial) and a
+    pair over 70: each member's output equals the float64 reference over its own slots."""
+    prefixes = [(0, 270)] * 25 + [(1, 70)] * 2
+    tails = [(3 * i) % 11 + 1 for i in range(27)]
+    q, k_cache, v_cache, r2t, pool_rows, seq_lens, rows = shared_prefix_batch(
+        dtype, num_heads, num_kv_heads, head_dim, tails, prefixes
+    )
+    scale = head_dim**-0.5
+    shared = cpu_kernels.shared_prefixes(r2t, pool_rows, seq_lens)
+    assert shared.groups == 2 and shared.lens.tolist() == [270] * 25 + [70] * 2
+    out = KERNEL(q, k_cache, v_cache, r2t, pool_rows, seq_lens, num_heads, scale, shared)
+    for b, row in enumerate(rows):
+        got = out[b].view(num_heads, head_dim).double()
+        k, v = k_cache[row.long()], v_cache[row.long()]
+        ref = reference_attention(q[b].view(1, num_heads, head_dim), k, v, len(row) - 1, scale)
+        assert (got - ref[0]).abs().max().item() < 1e-5, b
+
+
+@needs_kernel
 def test_shared_prefixes_planner_thresholds():
     """Prefixes shorter than the threshold are not grouped; a lone request and a batch of one
     plan nothing; a group whose members diverge after 100 slots shares exactly those 100."""
