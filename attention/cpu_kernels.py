@@ -477,19 +477,21 @@ def _time_bf16_kernels(kernel: PackedLinearKernel) -> Bf16MatmulPlan:
     weight = (torch.randn(2048, 576, generator=gen) * 0.05).to(torch.bfloat16)
     panels = kernel.pack(weight)
     timings: dict[str, float] = {}
+
+    def panels_ms(widen_from: int, x: torch.Tensor, reps: int = 7) -> float:
+        kernel._set_widen_from(widen_from)
+        return _median_ms(lambda: kernel(x, panels, 2048), reps)
+
     widen_from = NEVER
     for rows in reversed(_PLAN_ROWS):  # the smallest row count from which widening wins
         x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
-        kernel._set_widen_from(NEVER)
-        dot = timings[f"dot_{rows}"] = _median_ms(lambda: kernel(x, panels, 2048))
-        kernel._set_widen_from(1)
-        widen = timings[f"widen_{rows}"] = _median_ms(lambda: kernel(x, panels, 2048))
+        dot = timings[f"dot_{rows}"] = panels_ms(NEVER, x)
+        widen = timings[f"widen_{rows}"] = panels_ms(1, x)
         if widen >= dot:
             break
         widen_from = rows
     x = torch.randn(_PLAN_LARGE_ROWS, 576, generator=gen).to(torch.bfloat16)
-    kernel._set_widen_from(1)
-    widen = timings[f"widen_{_PLAN_LARGE_ROWS}"] = _median_ms(lambda: kernel(x, panels, 2048), 5)
+    widen = timings[f"widen_{_PLAN_LARGE_ROWS}"] = panels_ms(1, x, 5)
     all_rows = True
     if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         onednn_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)

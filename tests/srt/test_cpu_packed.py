@@ -5,6 +5,7 @@ packs every matmul weight unless told not to."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -106,16 +107,39 @@ needs_bf16_kernel = pytest.mark.skipif(
 DOT, WIDEN = Bf16MatmulPlan(NEVER, False, {}), Bf16MatmulPlan(1, True, {})
 
 
-@pytest.fixture(params=["dot", "widen"])
-def bf16_kernel(request):
-    """Each bf16 panel kernel in turn (`vdpbf16ps`, widened), the machine's plan restored."""
+@contextlib.contextmanager
+def plan_in_use(plan: Bf16MatmulPlan):
+    """The panel kernel runs bf16 inputs as `plan` says; the machine's plan after."""
     if KERNEL is None or KERNEL.bf16_plan is None:
-        yield request.param
+        yield
         return
     saved = KERNEL.bf16_plan
-    KERNEL.use_bf16_plan(DOT if request.param == "dot" else WIDEN)
-    yield request.param
-    KERNEL.use_bf16_plan(saved)
+    KERNEL.use_bf16_plan(plan)
+    try:
+        yield
+    finally:
+        KERNEL.use_bf16_plan(saved)
+
+
+@pytest.fixture(params=["dot", "widen"])
+def bf16_kernel(request):
+    """Each bf16 panel kernel in turn (`vdpbf16ps`, widened)."""
+    with plan_in_use(DOT if request.param == "dot" else WIDEN):
+        yield request.param
+
+
+class CountingKernel:
+    """A test double around the real panel kernel: records the row count of each call."""
+
+    def __init__(self, kernel, calls: list[int]) -> None:
+        self.kernel, self.calls = kernel, calls
+
+    def __call__(self, x, *args):
+        self.calls.append(x.shape[0])
+        return self.kernel(x, *args)
+
+    def runs_all_rows(self, dtype):
+        return self.kernel.runs_all_rows(dtype)
 
 
 @needs_kernel
@@ -162,17 +186,7 @@ def test_small_inputs_take_the_panel_kernel() -> None:
     layer = initialised(ReplicatedLinear(48, 80, bias=True))
     assert layer.pack_for_cpu() and layer.panel_weight is not None
     calls: list[int] = []
-    kernel = layer.panel_kernel
-
-    class CountingKernel:  # a test double around the real kernel
-        def __call__(self, x, *args):
-            calls.append(x.shape[0])
-            return kernel(x, *args)
-
-        def runs_all_rows(self, dtype):
-            return kernel.runs_all_rows(dtype)
-
-    layer.panel_kernel = CountingKernel()
+    layer.panel_kernel = CountingKernel(layer.panel_kernel, calls)
     for rows in (1, cpu_packed.SMALL_ROWS, cpu_packed.SMALL_ROWS + 1):
         x = torch.randn(rows, 48)
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
@@ -188,12 +202,8 @@ def test_widened_bf16_equals_float32_panels_on_widened_inputs(rows: int) -> None
     weight = torch.randn(100, 576, generator=gen).to(torch.bfloat16)
     bias = torch.randn(100, generator=gen).to(torch.bfloat16)
     x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
-    saved = KERNEL.bf16_plan
-    KERNEL.use_bf16_plan(WIDEN)
-    try:
+    with plan_in_use(WIDEN):
         got = KERNEL(x, KERNEL.pack(weight), 100, bias)
-    finally:
-        KERNEL.use_bf16_plan(saved)
     expected = KERNEL(x.float(), KERNEL.pack(weight.float()), 100, bias.float())
     assert torch.equal(got, expected.to(torch.bfloat16))
 
@@ -208,26 +218,12 @@ def test_large_bf16_inputs_take_the_panels_when_the_plan_says(plan, panel_rows) 
     layer = initialised(ReplicatedLinear(64, 80, bias=False)).to(torch.bfloat16)
     assert layer.pack_for_cpu()
     calls: list[int] = []
-    kernel = layer.panel_kernel
-
-    class CountingKernel:  # a test double around the real kernel
-        def __call__(self, x, *args):
-            calls.append(x.shape[0])
-            return kernel(x, *args)
-
-        def runs_all_rows(self, dtype):
-            return kernel.runs_all_rows(dtype)
-
-    layer.panel_kernel = CountingKernel()
-    saved = KERNEL.bf16_plan
-    KERNEL.use_bf16_plan(plan)
-    try:
+    layer.panel_kernel = CountingKernel(layer.panel_kernel, calls)
+    with plan_in_use(plan):
         for rows in (1, cpu_packed.SMALL_ROWS, cpu_packed.SMALL_ROWS + 1):
             x = torch.randn(rows, 64).to(torch.bfloat16)
             expected = F.linear(x.float(), layer.weight.float()).to(torch.bfloat16)
             torch.testing.assert_close(layer(x), expected, atol=2e-2, rtol=2e-2)
-    finally:
-        KERNEL.use_bf16_plan(saved)
     assert calls == panel_rows
 
 
