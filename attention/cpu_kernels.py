@@ -364,15 +364,35 @@ class PackedLinearKernel:
         panel.restype = i32
         self.panel = int(panel())
         self.bf16_plan: Bf16MatmulPlan | None = None
+        # The widen threshold of every library holding these panels' bf16 kernels: this one,
+        # and the fused decode layer's (decode_layer.c includes packed_linear.c).
+        self._widen_setters: list[Callable[[int], None]] = []
         if torch.bfloat16 in self._fns:
-            self._set_widen_from = library.packed_linear_bf16_set_widen_from
-            self._set_widen_from.argtypes = [i32]
-            self._set_widen_from.restype = None
+            self._set_widen_from = self._widen_setter(library)
+            self._widen_setters.append(self._set_widen_from)
             self.use_bf16_plan(bf16_matmul_plan(self, Path(library._name)))
+            logger.info("CPU bf16 matmuls: %s", self.bf16_plan.describe())
+
+    @staticmethod
+    def _widen_setter(library: ctypes.CDLL) -> Callable[[int], None]:
+        setter = library.packed_linear_bf16_set_widen_from
+        setter.argtypes = [_I32]
+        setter.restype = None
+        return setter
+
+    def share_bf16_plan(self, library: ctypes.CDLL) -> None:
+        """Make `library`, which compiles packed_linear.c in too, run this plan now and
+        whenever `use_bf16_plan` changes it, so both run the same bf16 kernels."""
+        if self.bf16_plan is not None and hasattr(library, "packed_linear_bf16_set_widen_from"):
+            setter = self._widen_setter(library)
+            self._widen_setters.append(setter)
+            setter(self.bf16_plan.widen_from)
 
     def use_bf16_plan(self, plan: Bf16MatmulPlan) -> None:
-        """Run bfloat16 inputs as `plan` says (the widened kernel from `plan.widen_from` rows)."""
-        self._set_widen_from(plan.widen_from)
+        """Run bfloat16 inputs as `plan` says (the widened kernel from `plan.widen_from` rows),
+        in this library and every one that shares its plan."""
+        for setter in self._widen_setters:
+            setter(plan.widen_from)
         self.bf16_plan = plan
 
     def runs_all_rows(self, dtype: torch.dtype) -> bool:
@@ -444,6 +464,17 @@ class Bf16MatmulPlan:
     widen_from: int
     all_rows: bool
     timings_ms: dict[str, float]
+
+    def describe(self) -> str:
+        if self.widen_from >= NEVER:
+            small = "vdpbf16ps at every row count"
+        elif self.widen_from <= 1:
+            small = "widened at every row count"
+        else:
+            small = f"vdpbf16ps below {self.widen_from} rows, widened from there"
+        large = "widened" if self.all_rows else "oneDNN"
+        timed = ", ".join(f"{k} {v:.3f} ms" for k, v in self.timings_ms.items())
+        return f"{small}; over 64 rows: {large}" + (f" ({timed})" if timed else "")
 
 
 NEVER = 1 << 30  # a row count no input reaches
@@ -527,21 +558,13 @@ def bf16_matmul_plan(kernel: PackedLinearKernel, library: Path) -> Bf16MatmulPla
         tmp = saved.with_name(saved.name + f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(dataclasses.asdict(plan)))
         os.replace(tmp, saved)
-    logger.info(
-        "CPU bf16 matmuls: vdpbf16ps below %s rows, widened from there; larger inputs: %s (%s)",
-        plan.widen_from,
-        "widened" if plan.all_rows else "oneDNN",
-        ", ".join(f"{k} {v:.3f} ms" for k, v in plan.timings_ms.items()),
-    )
     return plan
 
 
 def _decode_layer(library: ctypes.CDLL) -> Callable[..., int]:
     panels = packed_linear_kernel()
-    setter = getattr(library, "packed_linear_bf16_set_widen_from", None)
-    if setter is not None and panels is not None and panels.bf16_plan is not None:
-        setter.argtypes = [ctypes.c_int]
-        setter(panels.bf16_plan.widen_from)  # this library's own copy of the panels' choice
+    if panels is not None:
+        panels.share_bf16_plan(library)  # its own copy of the panels' bf16 kernels
     fn = library.decode_layer
     fn.argtypes = [ctypes.c_void_p] * 5
     fn.restype = ctypes.c_int

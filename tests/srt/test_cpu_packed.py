@@ -247,3 +247,30 @@ def test_bf16_plan_is_measured_once_and_kept(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("RADIXRT_CPU_BF16_MATMUL", "fast")
     with pytest.raises(ValueError, match="auto, dot or widen"):
         cpu_kernels.bf16_matmul_plan(KERNEL, library)
+
+
+@needs_bf16_kernel
+def test_a_library_sharing_the_plan_follows_every_change() -> None:
+    """The fused decode layer's library compiles these kernels in too: once it shares the
+    panels' plan it gets the current threshold, and every later `use_bf16_plan` as well."""
+
+    class Setter:  # stands in for the ctypes entry point: records the thresholds it gets
+        def __init__(self) -> None:
+            self.given: list[int] = []
+
+        def __call__(self, rows: int) -> None:
+            self.given.append(rows)
+
+    class LibraryDouble:  # a test double for a ctypes library holding the bf16 kernels
+        packed_linear_bf16_set_widen_from = Setter()
+
+    other = LibraryDouble()
+    given = other.packed_linear_bf16_set_widen_from.given
+    KERNEL.share_bf16_plan(other)
+    try:
+        assert given == [KERNEL.bf16_plan.widen_from]
+        with plan_in_use(DOT):
+            assert given[-1] == NEVER
+        assert given[-1] == KERNEL.bf16_plan.widen_from
+    finally:
+        KERNEL._widen_setters.remove(other.packed_linear_bf16_set_widen_from)
