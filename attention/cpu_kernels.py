@@ -363,6 +363,11 @@ class PackedLinearKernel:
         panel = library.packed_linear_panel
         panel.restype = i32
         self.panel = int(panel())
+        # Greedy logits through a bf16 copy of a float32 LM head (built with the bf16 kernels).
+        self._screen = getattr(library, "greedy_screen_logits", None)
+        if self._screen is not None:
+            self._screen.argtypes = [p, i64, p, p, p, i32, i32, i32, i32, p, i32]
+            self._screen.restype = i32
         self.bf16_plan: Bf16MatmulPlan | None = None
         # The widen threshold of every library holding these panels' bf16 kernels: this one,
         # and the fused decode layer's (decode_layer.c includes packed_linear.c).
@@ -452,6 +457,46 @@ class PackedLinearKernel:
         if status:
             raise ValueError(f"packed linear: no bfloat16 kernel for K = {k} (odd)")
         return out.view(*x.shape[:-1], out_features)
+
+    @property
+    def screens_greedy(self) -> bool:
+        """Whether `greedy_logits` can run (the library has the bf16 panels)."""
+        return self._screen is not None
+
+    def greedy_logits(
+        self,
+        x: torch.Tensor,  # float32 [M, K], M <= 1024
+        screen_panels: torch.Tensor,  # `pack(weight.bfloat16())`
+        weight: torch.Tensor,  # the float32 weight [N, K], contiguous
+        row_norms: torch.Tensor,  # float32 [N]: ||weight[v]||
+        max_candidates: int,
+    ) -> torch.Tensor | None:
+        """float32 [M, N] logits whose every row has the maximum, at the same positions, that
+        this kernel's float32 panels give for `x @ weight.T` (csrc/packed_linear.c,
+        `greedy_screen_logits`: a bfloat16 estimate, the columns that can be the maximum
+        recomputed in float32); the other values are estimates, fit only for an argmax. None
+        when some row had more than `max_candidates` such columns or a non-finite value."""
+        assert self._screen is not None and x.dtype == weight.dtype == torch.float32
+        assert weight.is_contiguous() and row_norms.dtype == torch.float32
+        rows = x if _rows(x) else x.contiguous()
+        n, k = weight.shape
+        out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+        status = self._screen(
+            rows.data_ptr(),
+            rows.stride(0),
+            screen_panels.data_ptr(),
+            weight.data_ptr(),
+            row_norms.data_ptr(),
+            rows.shape[0],
+            n,
+            k,
+            max_candidates,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if status == 2:
+            raise ValueError(f"greedy logits: no bfloat16 kernel for K = {k} (odd)")
+        return None if status else out
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,9 @@ class ModelWorker:
             extend_prefix_lens_cpu=mwb.extend_prefix_lens_cpu,
             extend_seq_lens_cpu=mwb.extend_seq_lens_cpu,
             logits_indices=mwb.logits_indices.to(dev),
+            argmax_only=mwb.forward_mode.is_decode()
+            and not mwb.return_logprob
+            and mwb.sampling_info.argmax_only,
         )
 
     @torch.inference_mode()

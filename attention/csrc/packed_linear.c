@@ -57,6 +57,7 @@
  * plan: attention/cpu_kernels.py times both once and keeps the choice beside the library.
  */
 
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -147,17 +148,19 @@ static void panel_rows(const void *xv, int64_t ldx, const void *panel, const voi
 typedef void (*PanelRows)(const void *x, int64_t ldx, const void *panel, const void *limit,
                           int K, const void *bias, int n, void *out, int64_t ldo, int rows);
 
-/* x [M, K] -> out [M, N] through `step`, for elements of `elem` bytes and panels of `width`
- * columns: rows in chunks of ROW_CHUNK, the panels of a chunk split over the threads. */
-static void over_panels(PanelRows step, int elem, int width, const void *x, int64_t ldx,
-                        const void *packed, const void *bias, int M, int N, int K, void *out,
-                        int64_t ldo, int num_threads) {
+/* x [M, K] -> out [M, N] through `step`, for weights, bias and x of `elem` bytes, out of
+ * `out_elem` bytes and panels of `width` columns: rows in chunks of ROW_CHUNK, the panels of
+ * a chunk split over the threads. */
+static void over_panels(PanelRows step, int elem, int out_elem, int width, const void *x,
+                        int64_t ldx, const void *packed, const void *bias, int M, int N, int K,
+                        void *out, int64_t ldo, int num_threads) {
     const int panels = (N + width - 1) / width;
     const int64_t panel_bytes = (int64_t)K * width * elem, columns_bytes = (int64_t)width * elem;
+    const int64_t out_columns_bytes = (int64_t)width * out_elem;
     for (int r0 = 0; r0 < M; r0 += ROW_CHUNK) {
         const int rows = M - r0 < ROW_CHUNK ? M - r0 : ROW_CHUNK;
         const char *xc = (const char *)x + (int64_t)r0 * ldx * elem;
-        char *oc = (char *)out + (int64_t)r0 * ldo * elem;
+        char *oc = (char *)out + (int64_t)r0 * ldo * out_elem;
 #pragma omp parallel num_threads(num_threads)
         {
             /* schedule(static)'s split, made explicit: each thread's panels are contiguous,
@@ -171,7 +174,7 @@ static void over_panels(PanelRows step, int elem, int width, const void *x, int6
                 const char *b = bias == NULL ? NULL : (const char *)bias + p * columns_bytes;
                 const char *panel = (const char *)packed + p * panel_bytes;
                 step(xc, ldx, panel, (const char *)packed + end * panel_bytes, K, b, n,
-                     oc + p * columns_bytes, ldo, rows);
+                     oc + p * out_columns_bytes, ldo, rows);
             }
         }
     }
@@ -184,8 +187,8 @@ int packed_linear_panel(void) { return P; }
  * ldo). */
 void packed_linear(const float *x, int64_t ldx, const float *packed, const float *bias, int M,
                    int N, int K, float *out, int64_t ldo, int num_threads) {
-    over_panels(panel_rows, sizeof(float), P, x, ldx, packed, bias, M, N, K, out, ldo,
-                num_threads);
+    over_panels(panel_rows, sizeof(float), sizeof(float), P, x, ldx, packed, bias, M, N, K, out,
+                ldo, num_threads);
 }
 
 #if defined(__AVX512BF16__)
@@ -273,10 +276,11 @@ static void panel_rows_bf16(const void *xv, int64_t ldx, const void *panel, cons
 static inline __attribute__((always_inline)) void block_widen(const float *x, int64_t ldx,
                                                               const uint16_t *panel, int K,
                                                               const uint16_t *bias, int n,
-                                                              uint16_t *out, int64_t ldo,
+                                                              void *out, int64_t ldo,
                                                               const char *limit,
                                                               const uint16_t *next, int every,
-                                                              int phase, const int R) {
+                                                              int phase, const int R,
+                                                              const int f32_out) {
     __m512 acc[12][2];
     for (int m = 0; m < R; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
@@ -307,29 +311,57 @@ static inline __attribute__((always_inline)) void block_widen(const float *x, in
             acc[m][1] = _mm512_fmadd_ps(x1, w11, acc[m][1]);
         }
     }
-    store_rows_bf16(acc, R, bias, n, out, ldo);
+    if (!f32_out) {
+        store_rows_bf16(acc, R, bias, n, out, ldo);
+        return;
+    }
+    for (int m = 0; m < R; m++) { /* float32 out, no bias (the screen below) */
+        float row[32];
+        _mm512_storeu_ps(row, acc[m][0]);
+        _mm512_storeu_ps(row + 16, acc[m][1]);
+        memcpy((float *)out + m * ldo, row, sizeof(float) * (size_t)n);
+    }
 }
 
-static void panel_rows_widen(const void *xv, int64_t ldx, const void *panel, const void *limit,
-                             int K, const void *bias, int n, void *outv, int64_t ldo, int rows) {
+static inline __attribute__((always_inline)) void widen_rows(const void *xv, int64_t ldx,
+                                                             const void *panel,
+                                                             const void *limit, int K,
+                                                             const void *bias, int n,
+                                                             void *outv, int64_t ldo, int rows,
+                                                             const int f32_out) {
     const float *x = xv;
-    uint16_t *out = outv;
+    const int64_t elem = f32_out ? 4 : 2;
+    char *out = outv;
     const char *ahead = limit; /* the first block prefetches ahead; NULL after it */
     const uint16_t *next = (const uint16_t *)panel + (int64_t)K * 32;
     if ((const char *)next >= (const char *)limit) next = NULL; /* the thread's last panel */
     int m = 0;
     const int later = rows / 12 - 1; /* full blocks after the first, sharing `next` */
     if (rows >= 8 && rows < 12) {
-        block_widen(x, ldx, panel, K, bias, n, out, ldo, ahead, NULL, 1, 0, 8);
+        block_widen(x, ldx, panel, K, bias, n, out, ldo, ahead, NULL, 1, 0, 8, f32_out);
         m = 8, ahead = NULL;
     }
     for (int i = -1; m + 12 <= rows; m += 12, ahead = NULL, i++)
-        block_widen(x + m * ldx, ldx, panel, K, bias, n, out + m * ldo, ldo, ahead, next, later,
-                    i, 12);
+        block_widen(x + m * ldx, ldx, panel, K, bias, n, out + m * ldo * elem, ldo, ahead, next,
+                    later, i, 12, f32_out);
     for (; m + 4 <= rows; m += 4, ahead = NULL)
-        block_widen(x + m * ldx, ldx, panel, K, bias, n, out + m * ldo, ldo, ahead, NULL, 1, 0, 4);
+        block_widen(x + m * ldx, ldx, panel, K, bias, n, out + m * ldo * elem, ldo, ahead, NULL,
+                    1, 0, 4, f32_out);
     for (; m < rows; m++, ahead = NULL)
-        block_widen(x + m * ldx, ldx, panel, K, bias, n, out + m * ldo, ldo, ahead, NULL, 1, 0, 1);
+        block_widen(x + m * ldx, ldx, panel, K, bias, n, out + m * ldo * elem, ldo, ahead, NULL,
+                    1, 0, 1, f32_out);
+}
+
+static void panel_rows_widen(const void *x, int64_t ldx, const void *panel, const void *limit,
+                             int K, const void *bias, int n, void *out, int64_t ldo, int rows) {
+    widen_rows(x, ldx, panel, limit, K, bias, n, out, ldo, rows, 0);
+}
+
+/* The widened kernel writing its float32 sums unrounded (no bias): the screen's estimate. */
+static void panel_rows_widen_f32(const void *x, int64_t ldx, const void *panel,
+                                 const void *limit, int K, const void *bias, int n, void *out,
+                                 int64_t ldo, int rows) {
+    widen_rows(x, ldx, panel, limit, K, bias, n, out, ldo, rows, 1);
 }
 
 /* Which bfloat16 kernel runs inputs of how many rows: inputs of at least this many rows run
@@ -347,8 +379,8 @@ int packed_linear_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed,
                        int num_threads) {
     if (K % 2 != 0) return 2;
     if (M < widen_from_rows) {
-        over_panels(panel_rows_bf16, sizeof(uint16_t), 32, x, ldx, packed, bias, M, N, K, out,
-                    ldo, num_threads);
+        over_panels(panel_rows_bf16, sizeof(uint16_t), sizeof(uint16_t), 32, x, ldx, packed,
+                    bias, M, N, K, out, ldo, num_threads);
         return 0;
     }
     /* The widened kernel reads x in float32: each chunk of rows is widened once, then
@@ -367,10 +399,91 @@ int packed_linear_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed,
             for (; k + W <= K; k += W) store_f32(dst + k, load_bf16(src + k));
             for (; k < K; k++) dst[k] = bf16_to_f32(src[k]);
         }
-        over_panels(panel_rows_widen, sizeof(uint16_t), 32, wide, K, packed, bias, rows, N, K,
-                    out + (int64_t)r0 * ldo, ldo, num_threads);
+        over_panels(panel_rows_widen, sizeof(uint16_t), sizeof(uint16_t), 32, wide, K, packed,
+                    bias, rows, N, K, out + (int64_t)r0 * ldo, ldo, num_threads);
     }
     free(wide);
     return 0;
+}
+/* Greedy logits from a bfloat16 copy of a float32 LM head, exact wherever the maximum can be.
+ *
+ * Decoding a few rows, a float32 LM head is bound by reading its weight (SmolLM2-135M's is
+ * 113 MB: 4 ms of a 35 ms step at ~27 GB/s). When the logits feed only an argmax, this reads
+ * the bfloat16 panels instead (half the bytes) and then recomputes in float32 the few
+ * columns that can still be the maximum:
+ * 1. a[v] = h . w'[v] for every column, w' = w rounded to bfloat16, h as given (float32),
+ *    through the widened kernel (float32 FMAs; unrounded float32 out).
+ * 2. The float32 logit the panels would give, r[v] (one FMA chain over k from 0, exactly
+ *    as `block` computes it), differs from a[v] by at most
+ *        B[v] = c ||h|| ||w[v]||,  c = (2^-8 + 2.02 gamma_K) * 1.02,  gamma_K = K u / (1 - K u),
+ *    u = 2^-24: |w' - w| <= 2^-8 |w| elementwise (round to nearest), each FMA chain adds
+ *    gamma_K sum |h w| of rounding, and sum |h w| <= ||h|| ||w|| (Cauchy-Schwarz); the last
+ *    2% covers the rounding of the norms and of the comparisons below (done in double).
+ * 3. With L = max_v (a[v] - B[v]), every v with r[v] = max r has a[v] + B[v] >= L; the
+ *    other columns have a[v] < L <= max r. Candidates (a[v] + B[v] >= L) are recomputed as
+ *    r[v] and written over a[v]: the row's maximum and every position holding it are then
+ *    the float32 row's, so any argmax over it (first or otherwise) picks the same id.
+ * w_norms[v] = ||w[v]|| (float32, from a double sum). Rows past `max_candidates`
+ * candidates, or with a non-finite value, are left for the caller: returns 1 (recompute
+ * those logits in full), 0 when every row is done, 2 for an odd K. M <= ROW_CHUNK. */
+int greedy_screen_logits(const float *h, int64_t ldh, const uint16_t *packed, const float *w,
+                         const float *w_norms, int M, int N, int K, int max_candidates,
+                         float *out, int num_threads) {
+    if (K % 2 != 0) return 2;
+    if (M > ROW_CHUNK) return 1;
+    over_panels(panel_rows_widen_f32, sizeof(uint16_t), sizeof(float), 32, h, ldh, packed, NULL,
+                M, N, K, out, N, num_threads);
+    const double unit = 0x1p-24, gamma = K * unit / (1.0 - K * unit);
+    const double c = (0x1p-8 + 2.02 * gamma) * 1.02;
+    int incomplete = 0;
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) reduction(| : incomplete)
+    for (int m = 0; m < M; m++) {
+        const float *x = h + (int64_t)m * ldh;
+        float *row = out + (int64_t)m * N;
+        double squares = 0.0;
+        for (int k = 0; k < K; k++) squares += (double)x[k] * x[k];
+        const float scale = (float)(c * sqrt(squares));
+        /* L = max (a - B), W columns at a time; `poison` turns NaN if any a is not finite. */
+        const vf sv = (vf){0} + scale;
+        vf lows = (vf){0} - INFINITY, poison = {0};
+        int v = 0;
+        for (; v + W <= N; v += W) {
+            const vf a = load_f32(row + v);
+            poison += a * 0.f;
+            lows = max_lanes(lows, a - sv * load_f32(w_norms + v));
+        }
+        float floor_max = hmax(lows), spoiled = hsum(poison);
+        for (; v < N; v++) {
+            spoiled += row[v] * 0.f;
+            const float low = row[v] - scale * w_norms[v];
+            floor_max = low > floor_max ? low : floor_max;
+        }
+        if (!isfinite(squares) || spoiled != 0.f) {
+            incomplete = 1;
+            continue;
+        }
+        const vf floor_v = (vf){0} + floor_max;
+        int candidates = 0;
+        for (v = 0; v < N; v++) {
+            if (v % W == 0 && v + W <= N) { /* skip W columns at once when none can be it */
+                const vi hit = load_f32(row + v) + sv * load_f32(w_norms + v) >= floor_v;
+                const vi none = {0};
+                if (memcmp(&hit, &none, sizeof hit) == 0) {
+                    v += W - 1;
+                    continue;
+                }
+            }
+            if (row[v] + scale * w_norms[v] < floor_max) continue;
+            if (++candidates > max_candidates) {
+                incomplete = 1;
+                break;
+            }
+            const float *wv = w + (int64_t)v * K;
+            float acc = 0.f;
+            for (int k = 0; k < K; k++) acc = fmaf(x[k], wv[k], acc);
+            row[v] = acc;
+        }
+    }
+    return incomplete;
 }
 #endif

@@ -30,7 +30,8 @@ class LogitsProcessor(nn.Module):
     """hidden [T, hidden] -> float32 logits [N, vocab], computed only at the N selected rows.
 
     Rows: `forward_batch.logits_indices` when set; otherwise every row for decode and the
-    last new token of each request for extend / mixed.
+    last new token of each request for extend / mixed. With `forward_batch.argmax_only` the
+    logits are only fit for an argmax (`LMHead.argmax_logits`).
     """
 
     def __init__(self, vocab_size: int, tp: TPGroup | None = None) -> None:
@@ -46,6 +47,8 @@ class LogitsProcessor(nn.Module):
             indices = last_token_indices(forward_batch)
         if indices is not None:
             hidden_states = hidden_states.index_select(0, indices)
+        if forward_batch.argmax_only and self.tp.size == 1:
+            return lm_head.argmax_logits(hidden_states).float()
         logits = lm_head(hidden_states).float()
         if self.tp.size == 1:
             return logits

@@ -61,9 +61,28 @@ class VocabEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}{shard}"
 
 
+# Decode batches of at most this many rows run `LMHead.argmax_logits` through the screen; at
+# more rows the float32 LM head is no longer bound by reading its weight (2-core Xeon,
+# SmolLM2-135M's [49152, 576] head, weights from DRAM: float32 panels / screen, ms, 1 row
+# 2.6 / 1.4, 8 rows 3.3 / 2.2, 16 rows 4.1 / 3.4, 32 rows 6.4 / 6.8, 64 rows 11.3 / 12.9).
+SCREEN_ROWS = 16
+# Past this many candidate columns in a row the screen gives up and the full head runs.
+SCREEN_MAX_CANDIDATES = 1024
+
+
 class LMHead(PackableLinear):
     """The output projection [vocab, hidden] (this rank's vocabulary rows): `forward(hidden)`
-    -> logits in the model dtype. `LogitsProcessor` picks the rows and applies it."""
+    -> logits in the model dtype. `LogitsProcessor` picks the rows and applies it.
+
+    A float32 head on a CPU with the bfloat16 panel kernels (AVX512_BF16) also keeps a
+    bfloat16 copy of its weight and the weight's row norms (`pack_for_cpu`): when the logits
+    feed only an argmax, `argmax_logits` reads that copy (half the bytes) and recomputes in
+    float32 only the columns that can still be a row's maximum (the bound and the proof:
+    `greedy_screen_logits` in attention/csrc/packed_linear.c). Greedy ids are those of the
+    float32 head, bit for bit; the cost is the copy (57 MB for SmolLM2-135M)."""
+
+    screen_panels: torch.Tensor | None = None
+    screen_norms: torch.Tensor | None = None
 
     def __init__(
         self,
@@ -93,6 +112,45 @@ class LMHead(PackableLinear):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.linear(hidden_states)
+
+    def pack_for_cpu(self) -> bool:
+        packed = super().pack_for_cpu()
+        kernel = self.panel_kernel
+        if (
+            packed
+            and kernel is not None
+            and kernel.screens_greedy
+            and self.weight.dtype == torch.float32
+            and self.bias is None
+            and self.tp.size == 1
+            and kernel.accepts(self.weight.bfloat16())
+        ):
+            self.screen_panels = kernel.pack(self.weight.detach().bfloat16())
+            self.screen_norms = self.weight.detach().double().norm(dim=1).float()
+        return packed
+
+    def argmax_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits whose every row has its maximum where `forward` has it (the same value, at
+        the same columns); elsewhere they may be estimates. For greedy sampling only."""
+        kernel = self.panel_kernel
+        if (
+            kernel is not None
+            and self.screen_panels is not None
+            and self.screen_norms is not None
+            and hidden_states.dtype == torch.float32
+            and hidden_states.dim() == 2
+            and 0 < hidden_states.shape[0] <= SCREEN_ROWS
+        ):
+            logits = kernel.greedy_logits(
+                hidden_states,
+                self.screen_panels,
+                self.weight.detach(),
+                self.screen_norms,
+                SCREEN_MAX_CANDIDATES,
+            )
+            if logits is not None:
+                return logits
+        return self(hidden_states)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size} -> {self.vocab_size}, tied={self.tied}"

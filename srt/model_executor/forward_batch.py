@@ -59,6 +59,10 @@ class ForwardBatch:
     # Logits are computed only at these token indices (into the T new tokens); the model
     # returns logits of shape [len(logits_indices), vocab].
     logits_indices: torch.Tensor | None = None  # int64 [N]
+    # The logits feed only an argmax per row (greedy sampling, no logprobs, nothing applied
+    # to them first): the LM head may return logits exact only where a row's maximum can be
+    # (`LMHead.argmax_logits`).
+    argmax_only: bool = False
     # Pools and backend for this forward.
     req_to_token_pool: ReqToTokenPool | None = None
     token_to_kv_pool: MHATokenToKVPool | None = None

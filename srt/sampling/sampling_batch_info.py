@@ -98,6 +98,19 @@ class SamplingBatchInfo:
     def batch_size(self) -> int:
         return self.top_ps.shape[0]
 
+    @property
+    def argmax_only(self) -> bool:
+        """Whether sampling reads nothing of the logits but each row's argmax: every row
+        greedy, and no logit_bias, penalty, min-token mask or grammar mask to apply first."""
+        return (
+            self.is_all_greedy
+            and self.bias_rows is None
+            and self.repetition_penalties is None
+            and self.output_counts is None
+            and self.min_tokens_rows is None
+            and self.vocab_mask is None
+        )
+
     @classmethod
     def from_reqs(
         cls,
