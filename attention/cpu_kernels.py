@@ -61,7 +61,7 @@ T = TypeVar("T")
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     root = os.environ.get("RADIXRT_CACHE_DIR") or Path.home() / ".cache" / "radixrt"
     return Path(root) / "kernels"
 
@@ -72,7 +72,7 @@ def _march() -> str:
     return "-march=native"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -98,9 +98,9 @@ def build_library(source: str) -> Path:
     # Every source and header: a source may include another (decode_layer.c does).
     sources = [f.read_text() for f in sorted(_CSRC.glob("*.[ch]"))]
     key = hashlib.sha256(
-        "\0".join([src.name, *sources, " ".join(flags), version, _cpu_flags()]).encode()
+        "\0".join([src.name, *sources, " ".join(flags), version, cpu_flags()]).encode()
     ).hexdigest()[:16]
-    target = _cache_dir() / f"{src.stem}-{key}.so"
+    target = cache_dir() / f"{src.stem}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -527,7 +527,7 @@ _PLAN_ROWS = (1, 2, 4, 8, 16, 64)
 _PLAN_LARGE_ROWS = 256
 
 
-def _median_ms(fn: Callable[[], object], reps: int = 7) -> float:
+def median_ms(fn: Callable[[], object], reps: int = 7) -> float:
     fn()
     times = []
     for _ in range(reps):
@@ -556,7 +556,7 @@ def _time_bf16_kernels(kernel: PackedLinearKernel) -> Bf16MatmulPlan:
 
     def panels_ms(widen_from: int, x: torch.Tensor, reps: int = 7) -> float:
         kernel._set_widen_from(widen_from)
-        return _median_ms(lambda: kernel(x, panels, 2048), reps)
+        return median_ms(lambda: kernel(x, panels, 2048), reps)
 
     widen_from = NEVER
     for rows in reversed(_PLAN_ROWS):  # the smallest row count from which widening wins
@@ -571,7 +571,7 @@ def _time_bf16_kernels(kernel: PackedLinearKernel) -> Bf16MatmulPlan:
     all_rows = True
     if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         onednn_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        onednn = timings[f"onednn_{_PLAN_LARGE_ROWS}"] = _median_ms(
+        onednn = timings[f"onednn_{_PLAN_LARGE_ROWS}"] = median_ms(
             lambda: torch.ops.mkldnn._linear_pointwise(x, onednn_weight, None, "none", [], ""), 5
         )
         all_rows = widen < onednn
@@ -592,14 +592,24 @@ def bf16_matmul_plan(kernel: PackedLinearKernel, library: Path) -> Bf16MatmulPla
     if choice != "auto":
         raise ValueError(f"RADIXRT_CPU_BF16_MATMUL={choice!r}: expected auto, dot or widen")
     saved = library.with_name(library.name + ".bf16-plan.json")
+    return kept_plan(saved, Bf16MatmulPlan, lambda: _measure_bf16_plan(kernel))
+
+
+P = TypeVar("P")
+
+
+def kept_plan(saved: Path, cls: type[P], measure: Callable[[], P]) -> P:
+    """The plan saved in `saved` (JSON of a dataclass `cls`), or `measure()`'s, saved there
+    first: made once per file, under a lock beside it, so that every process on a machine
+    reads the same plan. An unreadable file is measured again and replaced."""
+    saved.parent.mkdir(parents=True, exist_ok=True)
     with open(saved.with_name(saved.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            data = json.loads(saved.read_text())
-            return Bf16MatmulPlan(data["widen_from"], data["all_rows"], data["timings_ms"])
-        except (OSError, ValueError, KeyError):
+            return cls(**json.loads(saved.read_text()))
+        except (OSError, ValueError, TypeError):
             pass
-        plan = _measure_bf16_plan(kernel)
+        plan = measure()
         tmp = saved.with_name(saved.name + f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(dataclasses.asdict(plan)))
         os.replace(tmp, saved)

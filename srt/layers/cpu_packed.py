@@ -39,18 +39,89 @@ for dtypes the CPU's oneDNN cannot run (float16 without AVX512-FP16, bf16 withou
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
+import os
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from attention.cpu_kernels import PackedLinearKernel, packed_linear_kernel
+from attention.cpu_kernels import (
+    PackedLinearKernel,
+    cache_dir,
+    cpu_flags,
+    kept_plan,
+    median_ms,
+    packed_linear_kernel,
+)
 
 logger = logging.getLogger(__name__)
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
-# Inputs of at most this many rows run the compiled panel kernel; larger ones, oneDNN.
+# Inputs of at most this many rows run the compiled panel kernel; larger ones, oneDNN (or,
+# float32, MKL's packed sgemm where the machine's plan says: `f32_matmul_plan`).
 SMALL_ROWS = 64
+
+
+@dataclass(frozen=True)
+class F32MatmulPlan:
+    """Which library runs the float32 matmuls past `SMALL_ROWS` rows (prefill) on this CPU:
+    MKL's packed sgemm (`mkl`, weights packed once by `cblas_sgemm_pack` through
+    `torch.ops.mkl`) or oneDNN's prepacked kernel. `timings_ms` holds what it was chosen from."""
+
+    mkl: bool
+    timings_ms: dict[str, float]
+
+    def describe(self) -> str:
+        timed = ", ".join(f"{k} {v:.3f} ms" for k, v in self.timings_ms.items())
+        return ("MKL packed sgemm" if self.mkl else "oneDNN") + (f" ({timed})" if timed else "")
+
+
+def mkl_packing_available() -> bool:
+    return torch._C.has_mkl and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+
+
+@functools.cache
+def f32_matmul_plan() -> F32MatmulPlan:
+    """This machine's choice for float32 inputs past `SMALL_ROWS` rows.
+    `RADIXRT_CPU_F32_MATMUL=onednn|mkl` pins it; by default (`auto`) both are timed once per
+    machine and torch build (~0.1 s) and the choice is kept under the kernel cache
+    (`attention.cpu_kernels.kept_plan`), so every process runs the same kernels and a float32
+    output does not depend on which process computed it."""
+    choice = os.environ.get("RADIXRT_CPU_F32_MATMUL", "auto").lower()
+    if choice not in ("auto", "onednn", "mkl"):
+        raise ValueError(f"RADIXRT_CPU_F32_MATMUL={choice!r}: expected auto, onednn or mkl")
+    if choice == "mkl" and not mkl_packing_available():
+        raise ValueError("RADIXRT_CPU_F32_MATMUL=mkl: this torch build has no MKL")
+    if choice != "auto" or not mkl_packing_available():
+        return F32MatmulPlan(choice == "mkl", {})
+    # What the kernels run on: the torch build (its MKL and oneDNN), the CPU, the ISA caps.
+    caps = [os.environ.get(v, "") for v in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")]
+    key = hashlib.sha256("\0".join([torch.__version__, cpu_flags(), *caps]).encode())
+    saved = cache_dir() / f"f32-matmul-plan-{key.hexdigest()[:16]}.json"
+    plan = kept_plan(saved, F32MatmulPlan, _measure_f32_plan)
+    logger.info("CPU float32 matmuls past %d rows: %s", SMALL_ROWS, plan.describe())
+    return plan
+
+
+def _measure_f32_plan() -> F32MatmulPlan:
+    """oneDNN's prepacked kernel against MKL's packed sgemm on one [3072, 576] weight (an MLP's
+    gate-up shape) at two prefill sizes; the faster in sum is chosen."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(3072, 576, generator=gen) * 0.05
+    onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, 256)
+    timings: dict[str, float] = {}
+    for rows in (96, 384):
+        x = torch.randn(rows, 576, generator=gen)
+        timings[f"onednn_{rows}"] = median_ms(lambda x=x: packed_linear(x, onednn, None))
+        timings[f"mkl_{rows}"] = median_ms(lambda x=x: mkl_linear(x, mkl, weight, None))
+    faster = sum(v for k, v in timings.items() if k.startswith("mkl")) < sum(
+        v for k, v in timings.items() if k.startswith("onednn")
+    )
+    return F32MatmulPlan(faster, timings)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -72,6 +143,17 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def mkl_linear(
+    x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x @ W.T + b (float32) against `torch.ops.mkl._mkl_reorder_linear_weight(W, rows)`. A
+    packed B holds the whole weight, whatever the row count it was packed for (MKL's
+    `cblas_sgemm_compute` reads it for any m); `_mkl_linear` takes the packed path only when
+    told the input's row count, so it is told."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
+
+
 class PackableLinear(nn.Module):
     """Base of modules whose `forward` is `x @ weight.T + bias`: `pack_for_cpu()` adds packed
     copies that `linear()` then uses for CPU inputs of the weight's dtype (the panels up to
@@ -80,13 +162,18 @@ class PackableLinear(nn.Module):
     weight: nn.Parameter
     bias: nn.Parameter | None
     packed_weight: torch.Tensor | None = None
+    packed_by_mkl = False  # packed_weight is MKL's (float32 plan), not oneDNN's
     panel_weight: torch.Tensor | None = None  # the compiled kernel's panels
     panel_kernel: PackedLinearKernel | None = None
 
     def pack_for_cpu(self) -> bool:
         if not can_pack(self.weight):
             return False
-        self.packed_weight = pack_weight(self.weight)
+        if self.weight.dtype == torch.float32 and f32_matmul_plan().mkl:
+            self.packed_weight = torch.ops.mkl._mkl_reorder_linear_weight(self.weight.detach(), 256)
+            self.packed_by_mkl = True
+        else:
+            self.packed_weight = pack_weight(self.weight)
         kernel = packed_linear_kernel()  # None where it cannot be built
         if kernel is not None and kernel.accepts(self.weight):
             self.panel_kernel = kernel
@@ -104,6 +191,8 @@ class PackableLinear(nn.Module):
                 x.numel() <= SMALL_ROWS * x.shape[-1] or kernel.runs_all_rows(x.dtype)
             ):
                 return kernel(x, self.panel_weight, self.weight.shape[0], bias)
+            if self.packed_by_mkl:
+                return mkl_linear(x, packed, self.weight, bias)
             return packed_linear(x, packed, bias)
         return torch.nn.functional.linear(x, self.weight, bias)
 

@@ -14,7 +14,15 @@ import torch.nn.functional as F
 
 from attention import cpu_kernels
 from attention.cpu_kernels import NEVER, Bf16MatmulPlan, packed_linear_kernel
-from srt.layers.cpu_packed import can_pack, prepack_cpu_weights
+from srt.layers import cpu_packed
+from srt.layers.cpu_packed import (
+    SMALL_ROWS,
+    F32MatmulPlan,
+    can_pack,
+    f32_matmul_plan,
+    mkl_packing_available,
+    prepack_cpu_weights,
+)
 from srt.layers.linear import QKVLinear, ReplicatedLinear
 from srt.layers.vocab_embedding import LMHead
 
@@ -30,8 +38,20 @@ def initialised(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+@pytest.fixture(params=["onednn", "mkl"])
+def f32_plan(request, monkeypatch):
+    """Each library for float32 inputs past SMALL_ROWS rows in turn (the plan pinned)."""
+    if request.param == "mkl" and not mkl_packing_available():
+        pytest.skip("this torch build has no MKL")
+    monkeypatch.setenv("RADIXRT_CPU_F32_MATMUL", request.param)
+    f32_matmul_plan.cache_clear()
+    yield request.param
+    f32_matmul_plan.cache_clear()
+
+
+@pytest.mark.usefixtures("f32_plan")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [0, 1, 7, 64])
+@pytest.mark.parametrize("rows", [0, 1, 7, 64, 65, 300])
 def test_packed_linear_matches_f_linear(dtype: torch.dtype, rows: int) -> None:
     if not can_pack(torch.empty(2, 2, dtype=dtype)):
         pytest.skip(f"no oneDNN {dtype} kernel on this CPU")
@@ -51,6 +71,56 @@ def test_packed_linear_matches_f_linear(dtype: torch.dtype, rows: int) -> None:
         atol=TOL[dtype],
         rtol=TOL[dtype],
     )
+
+
+def test_large_float32_inputs_take_the_planned_library(f32_plan: str, monkeypatch) -> None:
+    layer = initialised(ReplicatedLinear(48, 80, bias=True))
+    assert layer.pack_for_cpu() and layer.packed_by_mkl == (f32_plan == "mkl")
+    calls: list[str] = []
+    for name in ("mkl_linear", "packed_linear"):  # spies around the real functions
+        real = getattr(cpu_packed, name)
+        monkeypatch.setattr(
+            cpu_packed, name, lambda *a, name=name, real=real: calls.append(name) or real(*a)
+        )
+    layer(torch.randn(SMALL_ROWS, 48))  # the panels
+    assert calls == []
+    layer(torch.randn(SMALL_ROWS + 1, 48))
+    assert calls == ["mkl_linear" if f32_plan == "mkl" else "packed_linear"]
+
+
+@pytest.mark.skipif(not mkl_packing_available(), reason="this torch build has no MKL")
+def test_f32_plan_is_measured_once_and_kept(tmp_path, monkeypatch) -> None:
+    """`auto` times both libraries once and keeps the choice under the kernel cache; later
+    processes (here, calls after clearing the cache of the function) read it back;
+    `onednn` / `mkl` pin it; other values fail."""
+    monkeypatch.setenv("RADIXRT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("RADIXRT_CPU_F32_MATMUL", "auto")
+    measured: list[F32MatmulPlan] = []
+    real = cpu_packed._measure_f32_plan
+    monkeypatch.setattr(
+        cpu_packed, "_measure_f32_plan", lambda: measured.append(real()) or measured[-1]
+    )
+    f32_matmul_plan.cache_clear()
+    try:
+        plan = f32_matmul_plan()
+        assert measured == [plan]
+        assert {"onednn_96", "mkl_96", "onednn_384", "mkl_384"} == plan.timings_ms.keys()
+        (saved,) = (tmp_path / "kernels").glob("f32-matmul-plan-*.json")
+        assert json.loads(saved.read_text())["mkl"] == plan.mkl
+        saved.write_text(json.dumps({"mkl": not plan.mkl, "timings_ms": {}}))
+        f32_matmul_plan.cache_clear()
+        assert f32_matmul_plan() == F32MatmulPlan(not plan.mkl, {})
+        assert len(measured) == 1
+        for value, mkl in (("onednn", False), ("mkl", True)):
+            monkeypatch.setenv("RADIXRT_CPU_F32_MATMUL", value)
+            f32_matmul_plan.cache_clear()
+            assert f32_matmul_plan() == F32MatmulPlan(mkl, {})
+        monkeypatch.setenv("RADIXRT_CPU_F32_MATMUL", "fast")
+        f32_matmul_plan.cache_clear()
+        with pytest.raises(ValueError, match="auto, onednn or mkl"):
+            f32_matmul_plan()
+    finally:
+        f32_matmul_plan.cache_clear()
 
 
 def test_unpackable_dtypes_keep_f_linear() -> None:
