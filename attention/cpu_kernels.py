@@ -10,7 +10,10 @@
   `srt/layers/cpu_packed.py`). bf16 has two kernels (`vdpbf16ps`, and float32 FMAs over
   widened weights); `bf16_matmul_plan` times them once per machine and library and keeps
   the choice in `<library>.bf16-plan.json` beside it (`RADIXRT_CPU_BF16_MATMUL=dot|widen`
-  pins it), so every process on a machine runs the same bf16 kernels.
+  pins it; `kept_plan` is that file-and-lock logic, which srt/layers/cpu_packed.py's float32
+  plan uses too), so every process on a machine runs the same bf16 kernels. The same library
+  has `greedy_logits`: a float32 LM head's logits through a bf16 copy, exact wherever a row's
+  maximum can be (for greedy decoding; `LMHead.argmax_logits`).
 - `decode_layer_kernel()`: one decoder layer of a decode step in one call (`csrc/decode_layer.c`,
   which includes the three sources above and runs their kernels in the layer's order).
 - `layer_ops_kernel()`: the elementwise layer ops of `csrc/layer_ops.c` (RMSNorm with the

@@ -85,8 +85,10 @@ class ModelWorker:
             extend_prefix_lens_cpu=mwb.extend_prefix_lens_cpu,
             extend_seq_lens_cpu=mwb.extend_seq_lens_cpu,
             logits_indices=mwb.logits_indices.to(dev),
-            argmax_only=mwb.forward_mode.is_decode()
-            and not mwb.return_logprob
+            # One logits row per request, read only by its argmax: no logprobs of the
+            # output or of the prompt, and sampling that takes the argmax alone.
+            argmax_only=not mwb.return_logprob
+            and all(spec is None for spec in mwb.input_logprob_specs)
             and mwb.sampling_info.argmax_only,
         )
 

@@ -55,6 +55,9 @@
  *   the float32 kernel's on the widened values, bit for bit.
  * Which one runs is set per machine (`packed_linear_bf16_set_widen_from`), from a measured
  * plan: attention/cpu_kernels.py times both once and keeps the choice beside the library.
+ *
+ * `greedy_screen_logits` (end of file) uses the widened kernel with float32 out to screen a
+ * float32 LM head through its bf16 copy for greedy decoding; its comment has the bound.
  */
 
 #include <math.h>

@@ -1,4 +1,5 @@
-"""oneDNN-prepacked weights for the CPU matmuls of linear layers and the LM head.
+"""Prepacked weights (oneDNN, MKL, compiled panels) for the CPU matmuls of linear layers and
+the LM head.
 
 `F.linear` on CPU calls MKL's sgemm on a plain `[out, in]` weight, which re-blocks the weight
 for every call: at the small row counts of decode (one row per running request) that is most
@@ -31,7 +32,14 @@ prefetches a steady distance ahead of the weights it multiplies (its comment say
 2-core Xeon (avx512_bf16, no AMX; float32 weights from DRAM) the 121 matmuls take 1 row 17.7
 ms, 16 rows 25.5 ms and 64 rows 60 ms (oneDNN 16 rows: 38.1 ms).
 
-A packed weight is an opaque oneDNN tensor beside the dense parameter, which stays the
+In float32, inputs past `SMALL_ROWS` rows may run MKL's packed sgemm instead of oneDNN
+(`f32_matmul_plan`: timed once per machine and torch build and kept, as the bf16 plan is;
+`RADIXRT_CPU_F32_MATMUL=onednn|mkl` pins it). On the 2-core Xeon MKL won (a [3072, 576] weight:
+384 rows 3.21 against 3.85 ms, 96 rows 0.99 against 1.02); a 304-token float32 prefill's
+matmuls took 187.6 ms through oneDNN and 180.8 ms through MKL. Its packed copy replaces
+oneDNN's.
+
+A packed weight is an opaque oneDNN (or MKL) tensor beside the dense parameter, which stays the
 source of truth (weight loading, tied embeddings, tests). Under tensor parallelism the dense
 parameter is this rank's shard, and the shard is what gets packed. Packing is CPU-only and skipped
 for dtypes the CPU's oneDNN cannot run (float16 without AVX512-FP16, bf16 without AVX512).
