@@ -37,11 +37,14 @@ def cpu_harness(num_heads: int, num_kv_heads: int, dtype: torch.dtype, head_dim:
 )
 def test_decode_matches_reference(dtype, num_heads, num_kv_heads, head_dim):
     """Every specialised (query group, head dim) shape, ragged lengths, rows out of order."""
-    h = cpu_harness(num_heads, num_kv_heads, dtype, head_dim)
+    h = cpu_harness(num_heads, num_kv_heads, dtype, head_dim, max_context_len=1024)
     assert h.builder.backend.uses_kernel
-    h.step([(0, 3), (1, 17), (2, 1), (3, 140)])  # 140 > one tile of 128 tokens
+    # Eight requests (one work item each, no split): request 3's 540 tokens span two tiles
+    # of the online softmax (TILE = 512 in csrc/paged_decode.c).
+    lens = [3, 17, 1, 540, 2, 9, 30, 4]
+    h.step(list(enumerate(lens)))
     for _ in range(3):
-        assert h.step([(0, 1), (1, 1), (2, 1), (3, 1)]) < TOL[dtype]
+        assert h.step([(rid, 1) for rid in range(len(lens))]) < TOL[dtype]
     assert h.step([(3, 1), (1, 1)]) < TOL[dtype]
 
 
