@@ -61,6 +61,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 T = TypeVar("T")
+P = TypeVar("P")  # a plan dataclass (`kept_plan`)
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -596,9 +597,6 @@ def bf16_matmul_plan(kernel: PackedLinearKernel, library: Path) -> Bf16MatmulPla
         raise ValueError(f"RADIXRT_CPU_BF16_MATMUL={choice!r}: expected auto, dot or widen")
     saved = library.with_name(library.name + ".bf16-plan.json")
     return kept_plan(saved, Bf16MatmulPlan, lambda: _measure_bf16_plan(kernel))
-
-
-P = TypeVar("P")
 
 
 def kept_plan(saved: Path, cls: type[P], measure: Callable[[], P]) -> P:

@@ -61,8 +61,9 @@ class VocabEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}{shard}"
 
 
-# Decode batches of at most this many rows run `LMHead.argmax_logits` through the screen; at
-# more rows the float32 LM head is no longer bound by reading its weight (2-core Xeon,
+# Logits of at most this many rows (a decode batch's requests, an extend batch's last tokens)
+# run `LMHead.argmax_logits` through the screen; at more rows the float32 LM head is no longer
+# bound by reading its weight (2-core Xeon,
 # SmolLM2-135M's [49152, 576] head, weights from DRAM: float32 panels / screen, ms, 1 row
 # 2.6 / 1.4, 8 rows 3.3 / 2.2, 16 rows 4.1 / 3.4, 32 rows 6.4 / 6.8, 64 rows 11.3 / 12.9).
 SCREEN_ROWS = 16
@@ -123,7 +124,7 @@ class LMHead(PackableLinear):
             and self.weight.dtype == torch.float32
             and self.bias is None
             and self.tp.size == 1
-            and kernel.accepts(self.weight.bfloat16())
+            and self.weight.shape[1] % 2 == 0  # the bf16 panels hold pairs of k
         ):
             self.screen_panels = kernel.pack(self.weight.detach().bfloat16())
             self.screen_norms = self.weight.detach().double().norm(dim=1).float()
