@@ -164,7 +164,8 @@ def _vocab(tp: TPGroup, dtype: torch.dtype) -> dict[str, Any]:
     full_head = LMHead(vocab, dim, bias=True).to(dtype)
     _load(full_head, "weight", weight)
     _load(full_head, "bias", head_bias)
-    rows = SimpleNamespace(logits_indices=torch.tensor([0, 2, 3]))
+    # A stand-in for the ForwardBatch fields LogitsProcessor reads.
+    rows = SimpleNamespace(logits_indices=torch.tensor([0, 2, 3]), argmax_only=False)
     for ours, twin in ((tied, full_tied), (head, full_head)):
         got = LogitsProcessor(vocab, tp)(hidden, ours, rows)
         assert got.dtype == torch.float32 and got.shape == (3, vocab)
