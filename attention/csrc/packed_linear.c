@@ -408,6 +408,7 @@ int packed_linear_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed,
     free(wide);
     return 0;
 }
+
 /* Greedy logits from a bfloat16 copy of a float32 LM head, exact wherever the maximum can be.
  *
  * Decoding a few rows, a float32 LM head is bound by reading its weight (SmolLM2-135M's is
@@ -421,7 +422,8 @@ int packed_linear_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed,
  *        B[v] = c ||h|| ||w[v]||,  c = (2^-8 + 2.02 gamma_K) * 1.02,  gamma_K = K u / (1 - K u),
  *    u = 2^-24: |w' - w| <= 2^-8 |w| elementwise (round to nearest), each FMA chain adds
  *    gamma_K sum |h w| of rounding, and sum |h w| <= ||h|| ||w|| (Cauchy-Schwarz); the last
- *    2% covers the rounding of the norms and of the comparisons below (done in double).
+ *    2% covers the rounding of the norms and of the float32 comparisons below (each off by
+ *    ~2^-24 (|a| + B), under 2^-15 of B for any c above).
  * 3. With L = max_v (a[v] - B[v]), every v with r[v] = max r has a[v] + B[v] >= L; the
  *    other columns have a[v] < L <= max r. Candidates (a[v] + B[v] >= L) are recomputed as
  *    r[v] and written over a[v]: the row's maximum and every position holding it are then

@@ -71,6 +71,8 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # Inputs of at most this many rows run the compiled panel kernel; larger ones, oneDNN (or,
 # float32, MKL's packed sgemm where the machine's plan says: `f32_matmul_plan`).
 SMALL_ROWS = 64
+# The row count MKL packs a float32 weight for; the packed weight serves every row count.
+MKL_PACK_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,7 @@ def _measure_f32_plan() -> F32MatmulPlan:
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(3072, 576, generator=gen) * 0.05
     onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-    mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, 256)
+    mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, MKL_PACK_ROWS)
     timings: dict[str, float] = {}
     for rows in (96, 384):
         x = torch.randn(rows, 576, generator=gen)
@@ -178,7 +180,9 @@ class PackableLinear(nn.Module):
         if not can_pack(self.weight):
             return False
         if self.weight.dtype == torch.float32 and f32_matmul_plan().mkl:
-            self.packed_weight = torch.ops.mkl._mkl_reorder_linear_weight(self.weight.detach(), 256)
+            self.packed_weight = torch.ops.mkl._mkl_reorder_linear_weight(
+                self.weight.detach(), MKL_PACK_ROWS
+            )
             self.packed_by_mkl = True
         else:
             self.packed_weight = pack_weight(self.weight)

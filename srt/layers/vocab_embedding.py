@@ -63,9 +63,9 @@ class VocabEmbedding(nn.Module):
 
 # Logits of at most this many rows (a decode batch's requests, an extend batch's last tokens)
 # run `LMHead.argmax_logits` through the screen; at more rows the float32 LM head is no longer
-# bound by reading its weight (2-core Xeon,
-# SmolLM2-135M's [49152, 576] head, weights from DRAM: float32 panels / screen, ms, 1 row
-# 2.6 / 1.4, 8 rows 3.3 / 2.2, 16 rows 4.1 / 3.4, 32 rows 6.4 / 6.8, 64 rows 11.3 / 12.9).
+# bound by reading its weight (2-core Xeon, SmolLM2-135M's [49152, 576] head, weights from
+# DRAM: float32 panels / screen, ms, 1 row 2.6 / 1.4, 8 rows 3.3 / 2.2, 16 rows 4.1 / 3.4, 32
+# rows 6.4 / 6.8, 64 rows 11.3 / 12.9).
 SCREEN_ROWS = 16
 # Past this many candidate columns in a row the screen gives up and the full head runs.
 SCREEN_MAX_CANDIDATES = 1024
@@ -82,8 +82,8 @@ class LMHead(PackableLinear):
     `greedy_screen_logits` in attention/csrc/packed_linear.c). Greedy ids are those of the
     float32 head, bit for bit; the cost is the copy (57 MB for SmolLM2-135M)."""
 
-    screen_panels: torch.Tensor | None = None
-    screen_norms: torch.Tensor | None = None
+    # The screen's bf16 panels of the weight and the weight's row norms, or None.
+    screen: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __init__(
         self,
@@ -126,8 +126,8 @@ class LMHead(PackableLinear):
             and self.tp.size == 1
             and self.weight.shape[1] % 2 == 0  # the bf16 panels hold pairs of k
         ):
-            self.screen_panels = kernel.pack(self.weight.detach().bfloat16())
-            self.screen_norms = self.weight.detach().double().norm(dim=1).float()
+            weight = self.weight.detach()
+            self.screen = (kernel.pack(weight.bfloat16()), weight.double().norm(dim=1).float())
         return packed
 
     def argmax_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -136,18 +136,14 @@ class LMHead(PackableLinear):
         kernel = self.panel_kernel
         if (
             kernel is not None
-            and self.screen_panels is not None
-            and self.screen_norms is not None
+            and self.screen is not None
             and hidden_states.dtype == torch.float32
             and hidden_states.dim() == 2
             and 0 < hidden_states.shape[0] <= SCREEN_ROWS
         ):
+            panels, norms = self.screen
             logits = kernel.greedy_logits(
-                hidden_states,
-                self.screen_panels,
-                self.weight.detach(),
-                self.screen_norms,
-                SCREEN_MAX_CANDIDATES,
+                hidden_states, panels, self.weight.detach(), norms, SCREEN_MAX_CANDIDATES
             )
             if logits is not None:
                 return logits

@@ -105,8 +105,7 @@ class SamplingBatchInfo:
         return (
             self.is_all_greedy
             and self.bias_rows is None
-            and self.repetition_penalties is None
-            and self.output_counts is None
+            and not self.has_penalties
             and self.min_tokens_rows is None
             and self.vocab_mask is None
         )

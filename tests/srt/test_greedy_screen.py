@@ -107,7 +107,7 @@ def packed_head(vocab: int, hidden: int, dtype=torch.float32, bias: bool = False
 
 def test_lm_head_argmax_logits_match_forward() -> None:
     head = packed_head(3000, 64)
-    assert head.screen_panels is not None and head.screen_norms is not None
+    assert head.screen is not None
     for rows in (1, SCREEN_ROWS, SCREEN_ROWS + 1, 40):
         x = torch.randn(rows, 64) * 3
         got, want = head.argmax_logits(x), head(x)
@@ -119,7 +119,7 @@ def test_lm_head_argmax_logits_match_forward() -> None:
 def test_heads_without_a_screen() -> None:
     """bfloat16 heads and heads with a bias run in full."""
     for head in (packed_head(300, 64, torch.bfloat16), packed_head(300, 64, bias=True)):
-        assert head.screen_panels is None
+        assert head.screen is None
         x = torch.randn(2, 64, dtype=head.weight.dtype)
         assert torch.equal(head.argmax_logits(x), head(x))
 
