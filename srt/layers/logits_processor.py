@@ -26,12 +26,24 @@ def last_token_indices(forward_batch: ForwardBatch) -> torch.Tensor:
     return torch.cumsum(extend_seq_lens, dim=0) - 1
 
 
+def logits_rows(forward_batch: ForwardBatch) -> torch.Tensor | None:
+    """The rows of the batch's T new tokens that get logits, in order; None means all of them
+    (a decode batch without `logits_indices`). The one rule for the processor and for the
+    model, whose last layer computes only these rows past the attention."""
+    if forward_batch.logits_indices is not None:
+        return forward_batch.logits_indices
+    if forward_batch.forward_mode.is_decode():
+        return None
+    return last_token_indices(forward_batch)
+
+
 class LogitsProcessor(nn.Module):
     """hidden [T, hidden] -> float32 logits [N, vocab], computed only at the N selected rows.
 
-    Rows: `forward_batch.logits_indices` when set; otherwise every row for decode and the
-    last new token of each request for extend / mixed. With `forward_batch.argmax_only` the
-    logits are only fit for an argmax (`LMHead.argmax_logits`).
+    Rows: `logits_rows` (`forward_batch.logits_indices` when set; otherwise every row for
+    decode and the last new token of each request for extend / mixed). With `rows_selected`
+    the hidden states are those rows already (the model's last layer kept only them). With
+    `forward_batch.argmax_only` the logits are only fit for an argmax (`LMHead.argmax_logits`).
     """
 
     def __init__(self, vocab_size: int, tp: TPGroup | None = None) -> None:
@@ -40,11 +52,13 @@ class LogitsProcessor(nn.Module):
         self.tp = tp or TPGroup.single()
 
     def forward(
-        self, hidden_states: torch.Tensor, lm_head: LMHead, forward_batch: ForwardBatch
+        self,
+        hidden_states: torch.Tensor,
+        lm_head: LMHead,
+        forward_batch: ForwardBatch,
+        rows_selected: bool = False,
     ) -> torch.Tensor:
-        indices = forward_batch.logits_indices
-        if indices is None and not forward_batch.forward_mode.is_decode():
-            indices = last_token_indices(forward_batch)
+        indices = None if rows_selected else logits_rows(forward_batch)
         if indices is not None:
             hidden_states = hidden_states.index_select(0, indices)
         if forward_batch.argmax_only and self.tp.size == 1:

@@ -2,7 +2,9 @@
 
 The decoder layer is parametrised by `LlamaForCausalLM`'s class hooks (`qk_norm`,
 `attention_biases`), so Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm before RoPE)
-are small subclasses. Attention goes through `RadixAttention`.
+are small subclasses. Attention goes through `RadixAttention`. In an extend the last layer
+computes only the rows that get logits past its attention (`logits_rows`: each request's last
+new token, or the prompt-logprob rows); every row's K/V is still written.
 
 Tensor parallelism (`tp`): attention is split by KV group (`head_layout`, computed once per
 model; possibly uneven, e.g. 3 and 6 of SmolLM2's 9 query heads at tp=2), q/k/v and gate/up
@@ -26,7 +28,7 @@ from srt.distributed import HeadLayout, TPGroup, head_layout
 from srt.layers.activation import SiluAndMul
 from srt.layers.layernorm import RMSNorm
 from srt.layers.linear import MergedColumnLinear, QKVLinear, RowLinear
-from srt.layers.logits_processor import LogitsProcessor
+from srt.layers.logits_processor import LogitsProcessor, logits_rows
 from srt.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_settings_from_config
 from srt.layers.vocab_embedding import LMHead, VocabEmbedding
 from srt.layers.weight_utils import get_weight_loader
@@ -125,14 +127,23 @@ class LlamaAttention(nn.Module):
         return norm(x.view(x.shape[0], -1, self.head_dim)).view(x.shape)
 
     def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        forward_batch: ForwardBatch,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Every row's K/V is written; with `keep`, only those rows of the output are
+        computed past the attention (o_proj runs on them alone)."""
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
         if self.q_norm is not None and self.k_norm is not None:
             q = self._norm_heads(q, self.q_norm)
             k = self._norm_heads(k, self.k_norm)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, forward_batch))
+        out = self.attn(q, k, v, forward_batch)
+        if keep is not None:
+            out = out.index_select(0, keep)
+        return self.o_proj(out)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -167,14 +178,19 @@ class LlamaDecoderLayer(nn.Module):
         hidden_states: torch.Tensor,
         residual: torch.Tensor | None,
         forward_batch: ForwardBatch,
+        keep: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (mlp output, residual); the next layer's norm fuses the residual add."""
+        """Returns (mlp output, residual); the next layer's norm fuses the residual add.
+        With `keep` (row indices) both are those rows only: past the attention every
+        operation is per row, so the others need not be computed."""
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, forward_batch)
+        hidden_states = self.self_attn(positions, hidden_states, forward_batch, keep)
+        if keep is not None:
+            residual = residual.index_select(0, keep)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -210,17 +226,28 @@ class LlamaModel(nn.Module):
         self.fused_decode: FusedDecode | None = None
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch: ForwardBatch,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Final hidden states of every new token, or with `keep` of those rows only (the
+        last layer computes only them past its attention)."""
         hidden_states = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         fused = self.fused_decode  # CPU decode batches: one compiled call per layer
-        ran = None if fused is None else fused.run(positions, hidden_states, forward_batch)
+        ran = None
+        if fused is not None and keep is None:
+            ran = fused.run(positions, hidden_states, forward_batch)
         if ran is not None:
             hidden_states, residual = ran
         else:
-            for layer in self.layers:
-                hidden_states, residual = layer(positions, hidden_states, residual, forward_batch)
+            last = len(self.layers) - 1
+            for i, layer in enumerate(self.layers):
+                hidden_states, residual = layer(
+                    positions, hidden_states, residual, forward_batch, keep if i == last else None
+                )
         if residual is None:
             return self.norm(hidden_states)
         hidden_states, _ = self.norm(hidden_states, residual)
@@ -260,8 +287,14 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
-        hidden_states = self.model(input_ids, positions, forward_batch)
-        return self.logits_processor(hidden_states, self.lm_head, forward_batch)
+        # Only the rows that get logits are read after the last layer, so that layer computes
+        # only them past its attention (a prefill's last token instead of all of them).
+        rows = logits_rows(forward_batch)
+        keep = rows if rows is not None and rows.numel() < input_ids.numel() else None
+        hidden_states = self.model(input_ids, positions, forward_batch, keep)
+        return self.logits_processor(
+            hidden_states, self.lm_head, forward_batch, rows_selected=keep is not None
+        )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; q/k/v and gate/up go into their merged parameters."""

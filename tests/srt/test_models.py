@@ -147,6 +147,39 @@ def test_prefill_chunk_then_decode_matches_full_forward(name: str, layer_ops: st
 
 
 @pytest.mark.parametrize("layer_ops", ["torch", "cpu"])
+def test_last_layer_runs_only_the_rows_that_get_logits(layer_ops: str):
+    """An extend's last layer runs o_proj and the MLP only at the logits rows (here the
+    prompt-logprob rows of one request, a one-token request and the last row of a third),
+    every other layer at all rows; the logits still equal HF's."""
+    config = CONFIGS["llama"]
+    hf, ours = build_pair(config, layer_ops=layer_ops)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (6, 1, 14)]
+    wanted = [(0, 3), (0, 4), (0, 5), (1, 0), (2, 13)]  # (request, position)
+    starts = [0, 6, 7]
+    rows = torch.tensor([starts[r] + i for r, i in wanted])
+    batch = builder_for(config).build(list(enumerate(prompts)), logits_indices=rows)
+    seen: dict[str, int] = {}
+
+    def spy(name: str):
+        return lambda _module, args: seen.__setitem__(name, args[0].shape[0])
+
+    first, last = ours.model.layers[0], ours.model.layers[-1]
+    for name, module in [
+        ("first.o_proj", first.self_attn.o_proj),
+        ("first.mlp", first.mlp),
+        ("last.o_proj", last.self_attn.o_proj),
+        ("last.mlp", last.mlp),
+    ]:
+        module.register_forward_pre_hook(spy(name))
+    with torch.no_grad():
+        logits = ours(batch.input_ids, batch.positions, batch)
+    assert seen == {"first.o_proj": 21, "first.mlp": 21, "last.o_proj": 5, "last.mlp": 5}
+    expected = torch.stack([hf_logits(hf, prompts[r])[i] for r, i in wanted])
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layer_ops", ["torch", "cpu"])
 def test_bf16_model_close_to_hf_bf16(layer_ops: str):
     hf, ours = build_pair(CONFIGS["qwen3_tied"], torch.bfloat16, layer_ops)
     builder = builder_for(CONFIGS["qwen3_tied"], torch.bfloat16)
