@@ -9,15 +9,33 @@ Ownership:
 - `MHATokenToKVPool` only stores K/V. It never decides who owns a slot: the
   `TokenToKVPoolAllocator` (allocator.py) owns the free list. Page 0 (slots
   0..page_size-1) is a dummy that padded writes may target and that is never allocated.
+
+On a CPU the K/V buffers start as zeros without being written: each is a fresh anonymous
+mapping, which the OS zero-fills a page at a time on first touch (`lazy_zeros`). A server
+with the default 6 GiB pool starts seconds sooner and holds only the pages its slots used.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 
 import torch
 
 logger = logging.getLogger(__name__)
+
+
+def lazy_zeros(
+    shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device
+) -> torch.Tensor:
+    """`torch.zeros(shape)`, and on a CPU without writing it: a tensor over a fresh anonymous
+    mapping, whose pages read as zeros and are backed by memory only once touched (the
+    tensor keeps the mapping alive). Other devices get `torch.zeros`."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if torch.device(device).type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 
 class ReqToTokenPool:
@@ -87,10 +105,10 @@ class MHATokenToKVPool:
         rows = self.size + page_size  # + the dummy page 0
         shape = (rows, head_num, head_dim)
         self.k_buffer: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(layer_num)
+            lazy_zeros(shape, dtype, device) for _ in range(layer_num)
         ]
         self.v_buffer: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(layer_num)
+            lazy_zeros(shape, dtype, device) for _ in range(layer_num)
         ]
         logger.info(
             "KV pool: %d token slots, page_size=%d, %d layers, %.2f MiB",

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+
 import torch
 
 from mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -39,3 +41,26 @@ def test_kv_pool_set_get_casts() -> None:
     torch.testing.assert_close(vb[loc].float(), v.to(torch.bfloat16).float())
     assert pool.get_key_buffer(0).abs().sum() == 0  # other layer untouched
     assert kb[0].abs().sum() == 0 and kb[4].abs().sum() == 0
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_cpu_kv_pool_reads_zeros_and_is_backed_only_where_written() -> None:
+    """A CPU pool of 2 x 8 x 4 MiB reads as zeros and takes (almost) no resident memory until
+    its slots are written: the server does not write gigabytes of zeros at start."""
+    before = _rss_bytes()
+    pool = MHATokenToKVPool(
+        size=16384, page_size=1, dtype=torch.float32, head_num=4, head_dim=16, layer_num=8
+    )
+    grown = _rss_bytes() - before
+    assert pool.get_kv_size_bytes() >= 64 << 20
+    assert grown < 16 << 20, f"the pool's allocation made {grown} bytes resident"
+    k, v = pool.get_kv_buffer(3)
+    assert k.shape == (16385, 4, 16) and k.is_contiguous() and not k.any() and not v.any()
+    loc = torch.tensor([5, 9])
+    pool.set_kv_buffer(3, loc, torch.ones(2, 4, 16), torch.full((2, 4, 16), 2.0))
+    assert k[loc].eq(1).all() and v[loc].eq(2).all() and k.sum() == 128
+    assert not pool.get_key_buffer(2).any()  # buffers are distinct mappings
