@@ -14,7 +14,7 @@ import torch
 
 from managers.inprocess import InProcessDriver
 from srt.server_args import ServerArgs
-from tests.engine.hf_reference import assert_greedy_equal, hf_greedy
+from tests.engine.hf_reference import assert_greedy_equal, hf_greedy, hf_greedy_batch
 from tests.engine.tiny_models import VOCAB, save_tiny_model
 
 NEW_TOKENS = 64
@@ -115,5 +115,6 @@ def test_default_model_greedy_equal_hf(default_model_path: str) -> None:
     prompts = [tok.encode(t) for t in texts]
     ours = run_engine(default_model_path, prompts)
     hf = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
-    for prompt, out in zip(prompts, ours, strict=True):
-        assert_greedy_equal(hf, prompt, out, hf_greedy(hf, prompt, NEW_TOKENS))
+    refs = hf_greedy_batch(hf, prompts, NEW_TOKENS)
+    for prompt, out, ref in zip(prompts, ours, refs, strict=True):
+        assert_greedy_equal(hf, prompt, out, ref)

@@ -9,7 +9,7 @@ import torch
 
 from managers.inprocess import InProcessDriver
 from srt.server_args import ServerArgs
-from tests.engine.hf_reference import assert_greedy_equal, hf_greedy
+from tests.engine.hf_reference import assert_greedy_equal, hf_greedy_batch
 
 pytestmark = pytest.mark.slow
 
@@ -40,5 +40,6 @@ def test_http_equals_inprocess_and_hf(url: str, default_model_path: str) -> None
     assert http == local
 
     hf = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
-    for prompt, out in zip(prompts, http, strict=True):
-        assert_greedy_equal(hf, prompt, out, hf_greedy(hf, prompt, NEW_TOKENS))
+    refs = hf_greedy_batch(hf, prompts, NEW_TOKENS)
+    for prompt, out, ref in zip(prompts, http, refs, strict=True):
+        assert_greedy_equal(hf, prompt, out, ref)
