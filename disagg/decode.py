@@ -92,6 +92,7 @@ class DecodeDisagg(DisaggSide):
     # ---- per step ------------------------------------------------------------------
     def poll(self) -> None:
         now = time.monotonic()
+        self.transfer.progress()  # inbound writes of libraries without their own threads
         self._preallocate(now)
         for msg in self.client.recv_all():
             if isinstance(msg, KVTransferDone) and msg.room in self.transfer_queue:

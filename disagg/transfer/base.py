@@ -31,6 +31,11 @@ class TransferBackend(ABC):
         """Copy every layer's K and V at `src_slots` here to `dst_slots` at `peer`; raise
         `TransferError` on failure."""
 
+    def progress(self) -> None:
+        """Let the transfer library move inbound writes on. The decode side calls it once per
+        scheduler step (about once a second when idle); a no-op for libraries that progress on
+        their own threads."""
+
     def payload(self, src_slots: list[int]) -> list[bytes] | None:
         """Backends that ship KV inside the done message (loopback) return it here."""
         return None

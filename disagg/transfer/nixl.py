@@ -3,6 +3,12 @@ and ships its agent metadata in KVRegister; the prefill side adds that agent onc
 one WRITE of the request's runs of slots, then waits for it to complete.
 
 UCX listens on every interface address unless `UCX_NET_DEVICES` restricts it (e.g. `lo`).
+
+The agent runs without NIXL's progress thread: its Python wrapper starts that thread with no
+delay between polls, so it spins a core in every server, busy or idle (on 2 cores, the
+prefill and the decode server of one host took both). UCX progresses instead where we call
+into it: the writer while it waits for its write (`check_xfer_state`), the decode side once
+per scheduler step (`progress`), which transports that need the target's help (TCP) rely on.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ class NixlTransfer(TransferBackend):
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.name = f"radixrt-{uuid.uuid4().hex[:12]}"
-        self.agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+        config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        self.agent = nixl_agent(self.name, config)
         self.mem_type = "VRAM" if kv.k_buffers[0].is_cuda else "DRAM"
         self.agent.register_memory(kv.buffers())
         self.peers: dict[str, str] = {}
@@ -34,6 +41,9 @@ class NixlTransfer(TransferBackend):
             ptrs=tuple(buf.data_ptr() for buf in self.kv.buffers()),
             device=self.kv.k_buffers[0].get_device() if self.mem_type == "VRAM" else 0,
         )
+
+    def progress(self) -> None:
+        self.agent.get_new_notifs()  # progresses the UCX worker (we send no notifications)
 
     def _peer_name(self, peer: NixlPeer) -> str:
         name = self.peers.get(peer.agent)

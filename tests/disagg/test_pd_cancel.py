@@ -174,9 +174,11 @@ def test_late_write_after_decode_timeout_changes_no_other_kv(
     assert kv.quarantined_tokens() == PROMPT_LEN
     assert finish_reason(prefill, pa) is None  # its write is not over
 
-    # The late write lands; only then does the prefill side acknowledge.
+    # The late write lands (the decode server steps on meanwhile, as a live one does: a
+    # library without its own progress thread moves inbound writes on in its step); only
+    # then does the prefill side acknowledge.
     gated.gate.set()
-    assert gated.landed.wait(30)
+    step_until(gated.landed.is_set, decode)
     landed = kv_at(decode, a_slots)
     assert room in kv.quarantined  # still held until the acknowledgement arrives
     step_until(lambda: finish_reason(decode, db) is not None, prefill, decode)

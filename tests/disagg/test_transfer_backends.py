@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pickle
 import random
+import threading
+import time
 
 import pytest
 import torch
@@ -56,3 +58,33 @@ def test_peer_records_pickle_and_a_backend_refuses_another_backends_peer() -> No
     assert pickle.loads(pickle.dumps(loopback.peer_info())) == LoopbackPeer()
     with pytest.raises(TransferError, match="same --disaggregation-transfer-backend"):
         loopback.write(peer, [1], [2])
+
+
+def test_nixl_write_progressed_by_the_receivers_steps_and_no_cpu_while_idle() -> None:
+    """NIXL runs without its progress thread (which spins a core per agent): a write lands
+    while the receiving side calls `progress()` as its scheduler steps do, and two idle
+    agents use (almost) no CPU."""
+    pytest.importorskip("nixl._api", reason="nixl is not installed")
+    src, dst = make_kv(), make_kv()
+    sender = create_transfer_backend("nixl", src, "127.0.0.1")
+    receiver = create_transfer_backend("nixl", dst, "127.0.0.1")
+    stop = threading.Event()
+
+    def steps() -> None:  # the decode scheduler's loop, reduced to its progress calls
+        while not stop.is_set():
+            receiver.progress()
+            time.sleep(0.001)
+
+    stepper = threading.Thread(target=steps)
+    stepper.start()
+    try:
+        s, d = fragmented(3000, 8192, 5), fragmented(3000, 8192, 6)
+        sender.write(receiver.peer_info(), s, d)
+    finally:
+        stop.set()
+        stepper.join()
+    check_copied(src, dst, s, d)
+    cpu, wall = time.process_time(), time.monotonic()
+    time.sleep(1.0)
+    used = (time.process_time() - cpu) / (time.monotonic() - wall)
+    assert used < 0.3, f"two idle nixl agents used {used:.2f} CPU-seconds per second"
