@@ -9,16 +9,7 @@ NEAR_TIE = 1e-4
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """HF greedy tokens that never stop at EOS (the same as our ignore_eos)."""
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
+    return hf_greedy_batch(model, [prompt], max_new_tokens)[0]
 
 
 def hf_greedy_batch(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
