@@ -43,7 +43,7 @@ _GC_RSS_STEP = 256 << 20
 _rss_after_last_collect = [0]
 
 
-def _rss_bytes() -> int | None:
+def rss_bytes() -> int | None:
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -61,11 +61,11 @@ def _collect_garbage_after_test() -> Iterator[None]:
     yield
     import gc
 
-    rss = _rss_bytes()
+    rss = rss_bytes()
     if rss is not None and rss < _rss_after_last_collect[0] + _GC_RSS_STEP:
         return
     gc.collect()
-    _rss_after_last_collect[0] = _rss_bytes() or 0
+    _rss_after_last_collect[0] = rss_bytes() or 0
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,9 @@
 from __future__ import annotations
 
-import os
-
 import torch
 
 from mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from tests.conftest import rss_bytes
 
 
 def test_req_to_token_pool() -> None:
@@ -43,19 +42,17 @@ def test_kv_pool_set_get_casts() -> None:
     assert kb[0].abs().sum() == 0 and kb[4].abs().sum() == 0
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def test_cpu_kv_pool_reads_zeros_and_is_backed_only_where_written() -> None:
     """A CPU pool of 2 x 8 x 4 MiB reads as zeros and takes (almost) no resident memory until
     its slots are written: the server does not write gigabytes of zeros at start."""
-    before = _rss_bytes()
+    before = rss_bytes()
+    assert before is not None, "this test reads /proc/self/statm"
     pool = MHATokenToKVPool(
         size=16384, page_size=1, dtype=torch.float32, head_num=4, head_dim=16, layer_num=8
     )
-    grown = _rss_bytes() - before
+    after = rss_bytes()
+    assert after is not None
+    grown = after - before
     assert pool.get_kv_size_bytes() >= 64 << 20
     assert grown < 16 << 20, f"the pool's allocation made {grown} bytes resident"
     k, v = pool.get_kv_buffer(3)
