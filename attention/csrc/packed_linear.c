@@ -33,6 +33,13 @@
  * between them, the i-th of n every k-row with k % n == i: the memory stays busy while they
  * multiply from L2 (64 rows 67.0 -> 59.9 ms in the harness). Shorter later blocks do not:
  * their few FMAs per k-row cannot hide a prefetched row (16 rows, 12 + 4, got slower).
+ * AVX2 builds leave it out: their block has half the FMAs per k-row (12, ~6 cycles), and on
+ * a 2-core AMD EPYC (Zen 3, AVX2 only) the test and the division per k-row, or a prefetch
+ * every k-row instead (AMD's prefetcht1 fills L1 too, over the panel being read), cost more
+ * than the prefetch saved: SmolLM2's 121 matmuls at 64 rows 159.6 -> 124.7 ms without it
+ * (16 rows 55.1 -> 48.8, 32 rows 97.0 -> 76.8; weights from DRAM, scratch harness); a
+ * branch-free prefetch every k-row took 166.6 ms. The first block's prefetch stays (without
+ * it too: 123.6 ms at 64 rows, 16 and 32 rows 2-3% slower).
  *
  * A block's accumulators are a fixed-size array (MB rows), of which it uses R: with R as the
  * array's bound, GCC made it a variable-length array on the stack, and every FMA loaded and
@@ -128,8 +135,12 @@ static void panel_rows(const void *xv, int64_t ldx, const void *panel, const voi
     const float *x = xv;
     float *out = outv;
     const char *ahead = limit; /* the first block prefetches ahead; NULL after it */
+#if W == 16
     const float *next = (const float *)panel + (int64_t)K * P;
     if ((const char *)next >= (const char *)limit) next = NULL; /* the thread's last panel */
+#else
+    const float *next = NULL; /* AVX2: later blocks do not prefetch (the header says why) */
+#endif
     const int later = rows / MB - 1; /* full blocks after the first, sharing `next` */
     int m = 0;
 #if W == 16
