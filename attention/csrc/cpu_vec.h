@@ -115,6 +115,46 @@ static inline __attribute__((always_inline)) vf sum_lanes(vf *v) {
     return v[0];
 }
 
+/* Transposes the W x W matrix whose rows are v[0..W): log2(W) rounds, each exchanging the
+ * off-diagonal blocks of b x b lanes (b = W/2, ..., 1) between rows i and i + b with two
+ * shuffles of the pair. */
+static inline __attribute__((always_inline)) void transpose_lanes(vf *v) {
+#if W == 16
+    static const vi lo[4] = {
+        {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+        {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+        {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+        {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
+    };
+    static const vi hi[4] = {
+        {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
+        {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
+        {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
+        {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31},
+    };
+#else
+    static const vi lo[3] = {
+        {0, 1, 2, 3, 8, 9, 10, 11},
+        {0, 1, 8, 9, 4, 5, 12, 13},
+        {0, 8, 2, 10, 4, 12, 6, 14},
+    };
+    static const vi hi[3] = {
+        {4, 5, 6, 7, 12, 13, 14, 15},
+        {2, 3, 10, 11, 6, 7, 14, 15},
+        {1, 9, 3, 11, 5, 13, 7, 15},
+    };
+#endif
+#pragma GCC unroll 4
+    for (int round = 0, b = W / 2; b >= 1; b /= 2, round++)
+#pragma GCC unroll 16
+        for (int i = 0; i < W; i++)
+            if ((i & b) == 0) {
+                const vf x = v[i], y = v[i + b];
+                v[i] = __builtin_shuffle(x, y, lo[round]);
+                v[i + b] = __builtin_shuffle(x, y, hi[round]);
+            }
+}
+
 #if W == 16
 static const vi LANES = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 #else
