@@ -77,81 +77,62 @@ static inline float hmax(vf v) {
     return v[0];
 }
 
+/* Shuffle masks that interleave two vectors x, y in blocks of 2^r lanes: PAIR_LO[r] takes
+ * the even blocks of each (x's block 0, y's block 0, x's block 2, y's block 2, ...),
+ * PAIR_HI[r] the odd ones. */
+#if W == 16
+#define LOG2_W 4
+static const vi PAIR_LO[4] = {
+    {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
+    {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+    {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+    {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+};
+static const vi PAIR_HI[4] = {
+    {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31},
+    {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
+    {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
+    {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
+};
+#else
+#define LOG2_W 3
+static const vi PAIR_LO[3] = {
+    {0, 8, 2, 10, 4, 12, 6, 14},
+    {0, 1, 8, 9, 4, 5, 12, 13},
+    {0, 1, 2, 3, 8, 9, 10, 11},
+};
+static const vi PAIR_HI[3] = {
+    {1, 9, 3, 11, 5, 13, 7, 15},
+    {2, 3, 10, 11, 6, 7, 14, 15},
+    {4, 5, 6, 7, 12, 13, 14, 15},
+};
+#endif
+
 /* v[0..W) -> one vector whose lane i is the sum of v[i]'s lanes: log2(W) rounds, each adding
  * two shuffles of a pair of vectors (blocks of 1, 2, 4, ... lanes from each side), so W sums
  * cost about 3 W / 2 instructions instead of W horizontal sums. Overwrites v. */
 static inline __attribute__((always_inline)) vf sum_lanes(vf *v) {
-#if W == 16
-    static const vi lo[4] = {
-        {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
-        {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
-        {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
-        {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
-    };
-    static const vi hi[4] = {
-        {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31},
-        {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
-        {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
-        {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
-    };
-#else
-    static const vi lo[3] = {
-        {0, 8, 2, 10, 4, 12, 6, 14},
-        {0, 1, 8, 9, 4, 5, 12, 13},
-        {0, 1, 2, 3, 8, 9, 10, 11},
-    };
-    static const vi hi[3] = {
-        {1, 9, 3, 11, 5, 13, 7, 15},
-        {2, 3, 10, 11, 6, 7, 14, 15},
-        {4, 5, 6, 7, 12, 13, 14, 15},
-    };
-#endif
 #pragma GCC unroll 4
     for (int round = 0, n = W; n > 1; n /= 2, round++)
 #pragma GCC unroll 8
         for (int j = 0; j < n / 2; j++)
-            v[j] = __builtin_shuffle(v[2 * j], v[2 * j + 1], lo[round]) +
-                   __builtin_shuffle(v[2 * j], v[2 * j + 1], hi[round]);
+            v[j] = __builtin_shuffle(v[2 * j], v[2 * j + 1], PAIR_LO[round]) +
+                   __builtin_shuffle(v[2 * j], v[2 * j + 1], PAIR_HI[round]);
     return v[0];
 }
 
 /* Transposes the W x W matrix whose rows are v[0..W): log2(W) rounds, each exchanging the
- * off-diagonal blocks of b x b lanes (b = W/2, ..., 1) between rows i and i + b with two
- * shuffles of the pair. */
+ * off-diagonal blocks of b x b lanes (b = W/2, ..., 1) between rows i and i + b with the
+ * pair's two block interleavings. */
 static inline __attribute__((always_inline)) void transpose_lanes(vf *v) {
-#if W == 16
-    static const vi lo[4] = {
-        {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
-        {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
-        {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
-        {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
-    };
-    static const vi hi[4] = {
-        {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
-        {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
-        {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
-        {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31},
-    };
-#else
-    static const vi lo[3] = {
-        {0, 1, 2, 3, 8, 9, 10, 11},
-        {0, 1, 8, 9, 4, 5, 12, 13},
-        {0, 8, 2, 10, 4, 12, 6, 14},
-    };
-    static const vi hi[3] = {
-        {4, 5, 6, 7, 12, 13, 14, 15},
-        {2, 3, 10, 11, 6, 7, 14, 15},
-        {1, 9, 3, 11, 5, 13, 7, 15},
-    };
-#endif
 #pragma GCC unroll 4
-    for (int round = 0, b = W / 2; b >= 1; b /= 2, round++)
+    for (int round = LOG2_W - 1, b = W / 2; b >= 1; b /= 2, round--)
 #pragma GCC unroll 16
         for (int i = 0; i < W; i++)
             if ((i & b) == 0) {
                 const vf x = v[i], y = v[i + b];
-                v[i] = __builtin_shuffle(x, y, lo[round]);
-                v[i + b] = __builtin_shuffle(x, y, hi[round]);
+                v[i] = __builtin_shuffle(x, y, PAIR_LO[round]);
+                v[i + b] = __builtin_shuffle(x, y, PAIR_HI[round]);
             }
 }
 
