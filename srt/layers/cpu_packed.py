@@ -47,9 +47,11 @@ for dtypes the CPU's oneDNN cannot run (float16 without AVX512-FP16, bf16 withou
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
+import mmap
 import os
 from dataclasses import dataclass
 
@@ -73,6 +75,7 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 SMALL_ROWS = 64
 # The row count MKL packs a float32 weight for; the packed weight serves every row count.
 MKL_PACK_ROWS = 256
+HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
 
 
 @dataclass(frozen=True)
@@ -210,7 +213,43 @@ class PackableLinear(nn.Module):
 
 
 def prepack_cpu_weights(model: nn.Module) -> int:
-    """Pack every linear weight of a CPU model; returns how many were packed."""
-    packed = sum(1 for m in model.modules() if isinstance(m, PackableLinear) and m.pack_for_cpu())
-    logger.info("CPU weights: %d matmul weights prepacked for oneDNN", packed)
-    return packed
+    """Pack every linear weight of a CPU model; returns how many were packed. The panels then
+    move into one arena (`panels_onto_huge_pages`)."""
+    modules = [m for m in model.modules() if isinstance(m, PackableLinear) and m.pack_for_cpu()]
+    logger.info("CPU weights: %d matmul weights prepacked for oneDNN", len(modules))
+    panels_onto_huge_pages(modules)
+    return len(modules)
+
+
+def panels_onto_huge_pages(modules: list[PackableLinear]) -> torch.Tensor | None:
+    """Move the modules' panel weights, back to back, into one anonymous mapping advised for
+    transparent huge pages (`MADV_HUGEPAGE`; Linux's default THP policy, `madvise`, gives
+    them to such mappings only) and starting on a 2 MiB boundary; return its bytes (None if
+    there are no panels).
+
+    Every decode step streams all the panels, and with 4 KiB pages each page costs a TLB miss
+    (a dear one in a VM, with nested page tables). One arena, not a mapping per weight: a
+    mapping gets huge pages only for the whole 2 MiB-aligned ranges inside it, which a small
+    weight (SmolLM2's o_proj, 1.3 MiB) never has. Measured on a 2-core EPYC (Zen 3, a VM),
+    SmolLM2's 121 float32 matmuls from DRAM, fastest of 9 (scratch harness, two runs): 1 row
+    26.0 / 25.3 -> 23.9 / 24.1 ms, 16 rows 45.1 / 43.8 -> 43.0 / 42.0 ms; 64 rows, bound by
+    the FMAs, the same. Where the OS has no THP the advice is skipped: an ordinary mapping."""
+    owners = [m for m in modules if m.panel_weight is not None]
+    if not owners:
+        return None
+    offsets, total = [], 0
+    for m in owners:
+        offsets.append(total)
+        total += -(-m.panel_weight.nbytes // 64) * 64  # each panel set on a cache line
+    mapping = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):  # a kernel built without THP
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)
+    skip = -whole.data_ptr() % HUGE_PAGE
+    arena = whole[skip : skip + total]
+    for m, at in zip(owners, offsets, strict=True):
+        panel = m.panel_weight.contiguous()
+        moved = arena[at : at + panel.nbytes].view(panel.dtype).view(panel.shape)
+        m.panel_weight = moved.copy_(panel)
+    return arena

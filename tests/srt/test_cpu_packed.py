@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
+from pathlib import Path
 
 import pytest
 import torch
@@ -344,3 +346,48 @@ def test_a_library_sharing_the_plan_follows_every_change() -> None:
         assert given[-1] == KERNEL.bf16_plan.widen_from
     finally:
         KERNEL._widen_setters.remove(other.packed_linear_bf16_set_widen_from)
+
+
+def vm_flags(address: int) -> set[str] | None:
+    """The VmFlags of this process's mapping that holds `address` (None without smaps)."""
+    smaps = Path("/proc/self/smaps")
+    if not smaps.exists():
+        return None
+    inside = False
+    for line in smaps.read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(part, 16) for part in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "VmFlags:":
+            return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@needs_kernel
+def test_panels_move_into_one_huge_page_arena() -> None:
+    """After prepacking, every panel weight lies back to back in one 2 MiB-aligned arena,
+    advised for huge pages where the OS takes the advice, and the layers' outputs do not
+    change."""
+    model = torch.nn.ModuleDict(
+        {"qkv": QKVLinear(32, 8, 4, 2), "o": ReplicatedLinear(32, 30), "head": LMHead(50, 32)}
+    )
+    initialised(model)
+    hidden = torch.randn(3, 32)
+    before = {name: layer.linear(hidden) for name, layer in model.items()}
+    plain = {name: layer.panel_weight for name, layer in model.items()}
+    assert all(panel is None for panel in plain.values())
+    prepack_cpu_weights(model)
+    panels = [layer.panel_weight for layer in model.values()]
+    assert all(panel is not None for panel in panels)
+    start = panels[0].data_ptr()
+    assert start % cpu_packed.HUGE_PAGE == 0
+    offset = 0
+    for panel in panels:
+        assert panel.data_ptr() == start + offset and panel.is_contiguous()
+        offset += -(-panel.nbytes // 64) * 64
+    if hasattr(mmap, "MADV_HUGEPAGE") and (flags := vm_flags(start)) is not None:
+        assert "hg" in flags
+    for name, layer in model.items():
+        torch.testing.assert_close(layer.linear(hidden), before[name], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(layer.linear(hidden), F.linear(hidden, layer.weight, layer.bias))
