@@ -221,11 +221,11 @@ def prepack_cpu_weights(model: nn.Module) -> int:
     return len(modules)
 
 
-def panels_onto_huge_pages(modules: list[PackableLinear]) -> torch.Tensor | None:
+def panels_onto_huge_pages(modules: list[PackableLinear]) -> None:
     """Move the modules' panel weights, back to back, into one anonymous mapping advised for
     transparent huge pages (`MADV_HUGEPAGE`; Linux's default THP policy, `madvise`, gives
-    them to such mappings only) and starting on a 2 MiB boundary; return its bytes (None if
-    there are no panels).
+    them to such mappings only) and starting on a 2 MiB boundary. The panels' views keep the
+    mapping alive.
 
     Every decode step streams all the panels, and with 4 KiB pages each page costs a TLB miss
     (a dear one in a VM, with nested page tables). One arena, not a mapping per weight: a
@@ -236,7 +236,7 @@ def panels_onto_huge_pages(modules: list[PackableLinear]) -> torch.Tensor | None
     the FMAs, the same. Where the OS has no THP the advice is skipped: an ordinary mapping."""
     owners = [m for m in modules if m.panel_weight is not None]
     if not owners:
-        return None
+        return
     offsets, total = [], 0
     for m in owners:
         offsets.append(total)
@@ -252,4 +252,3 @@ def panels_onto_huge_pages(modules: list[PackableLinear]) -> torch.Tensor | None
         panel = m.panel_weight.contiguous()
         moved = arena[at : at + panel.nbytes].view(panel.dtype).view(panel.shape)
         m.panel_weight = moved.copy_(panel)
-    return arena
