@@ -13,8 +13,9 @@ bench.bench_dtype --tokens 16 256 1024` with and without `--prepacked`): float32
 
 Weights also get a second packed copy, in the panels of `attention/csrc/packed_linear.c`
 (float32; bfloat16 where the CPU has AVX512_BF16), and inputs of at most `SMALL_ROWS` rows
-(decode, one row per running request; small extends) run that kernel: it streams each panel
-once at the FMA rate, where oneDNN's small-row kernels do not. In bfloat16 the kernel either
+(decode, one row per running request; small extends) run that kernel (larger ones too where
+the machine's plan says, below): it streams each panel once at the FMA rate, where oneDNN's
+small-row kernels do not. In bfloat16 the kernel either
 multiplies with `vdpbf16ps` or widens the weights to float32 FMAs, as the machine's measured
 plan says (`attention.cpu_kernels.bf16_matmul_plan`); where the widened kernel also beat
 oneDNN at a prefill size (a CPU whose `vdpbf16ps` is slow and that has no AMX), bfloat16
@@ -25,19 +26,24 @@ SmolLM2-135M's 121 matmuls (30 layers' qkv, o, gate-up, down, and the LM head), 
 DRAM, medians (scratch script, 2-core AMD EPYC Zen 4), oneDNN -> kernel: float32 1 row 28.6
 -> 20.6 ms, 16 rows 33.3 -> 29.5 ms (re-run 32.9 -> 27.9), 64 rows 93.7 -> 89.5 ms (capped to
 AVX2: 25.3 -> 17.2, 41.4 -> 35.7, 108.9 -> 95.6 ms); bfloat16 1 row 13.9 -> 9.4 ms, 16 rows
-18.6 -> 13.2 ms, 64 rows 47.9 -> 42.2 ms. At prefill sizes oneDNN stays ahead (float32 544
-rows 561 vs 591 ms, 2048 rows 2102 vs 2169 ms), so larger inputs keep it. The cost is one
+18.6 -> 13.2 ms, 64 rows 47.9 -> 42.2 ms. At prefill sizes oneDNN stayed ahead there (float32
+544 rows 561 vs 591 ms, 2048 rows 2102 vs 2169 ms). The cost is one
 more copy of the matmul weights. The kernel keeps its accumulators in registers and
 prefetches a steady distance ahead of the weights it multiplies (its comment says how); on a
 2-core Xeon (avx512_bf16, no AMX; float32 weights from DRAM) the 121 matmuls take 1 row 17.7
 ms, 16 rows 25.5 ms and 64 rows 60 ms (oneDNN 16 rows: 38.1 ms).
 
-In float32, inputs past `SMALL_ROWS` rows may run MKL's packed sgemm instead of oneDNN
-(`f32_matmul_plan`: timed once per machine and torch build and kept, as the bf16 plan is;
-`RADIXRT_CPU_F32_MATMUL=onednn|mkl` pins it). On the 2-core Xeon MKL won (a [3072, 576] weight:
-384 rows 3.21 against 3.85 ms, 96 rows 0.99 against 1.02); a 304-token float32 prefill's
-matmuls took 187.6 ms through oneDNN and 180.8 ms through MKL. Its packed copy replaces
-oneDNN's.
+In float32, inputs past `SMALL_ROWS` rows (prefill) run whichever of oneDNN, MKL's packed
+sgemm and the panels is fastest on the machine (`f32_matmul_plan`: timed once per machine and
+torch build over one decoder layer's four matmuls, and kept, as the bf16 plan is;
+`RADIXRT_CPU_F32_MATMUL=onednn|mkl|panels` pins it). Each wins somewhere: on the 2-core Xeon
+MKL (a [3072, 576] weight at 384 rows: oneDNN 3.85, MKL 3.21 ms; a 304-token prefill's
+matmuls: 187.6, 180.8 ms); on the Zen 4 EPYC above, oneDNN; on a 2-core EPYC (Zen 3,
+AVX2 only) the panels: SmolLM2's 120 layer matmuls, weights from DRAM, fastest of 5 (scratch
+script), 96 rows oneDNN 184 / MKL 190 / panels 144 ms, 384 rows 535 / 554 / 461 ms, 768 rows
+1213 / 1084 / 945 ms (panels ~172 GFLOP/s of the two cores' ~192 peak, oneDNN ~150), and W1
+float32 (`python -m bench.bench_offline`, alternating runs) 73.7 / 73.0 s with oneDNN
+against 69.1 / 64.0 s with the panels. MKL's copy replaces oneDNN's; the panels need none.
 
 A packed weight is an opaque oneDNN (or MKL) tensor beside the dense parameter, which stays the
 source of truth (weight loading, tied embeddings, tests). Under tensor parallelism the dense
@@ -53,6 +59,7 @@ import hashlib
 import logging
 import mmap
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -78,63 +85,98 @@ MKL_PACK_ROWS = 256
 HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
 
 
+F32_LIBRARIES = ("onednn", "mkl", "panels")
+
+
 @dataclass(frozen=True)
 class F32MatmulPlan:
     """Which library runs the float32 matmuls past `SMALL_ROWS` rows (prefill) on this CPU:
-    MKL's packed sgemm (`mkl`, weights packed once by `cblas_sgemm_pack` through
-    `torch.ops.mkl`) or oneDNN's prepacked kernel. `timings_ms` holds what it was chosen from."""
+    oneDNN's prepacked kernel (`onednn`), MKL's packed sgemm (`mkl`, weights packed once by
+    `cblas_sgemm_pack` through `torch.ops.mkl`), or the compiled panels that run the small
+    inputs (`panels`: every row count then runs one kernel, and no second packed copy is
+    kept). `timings_ms` holds what it was chosen from."""
 
-    mkl: bool
+    library: str
     timings_ms: dict[str, float]
 
     def describe(self) -> str:
         timed = ", ".join(f"{k} {v:.3f} ms" for k, v in self.timings_ms.items())
-        return ("MKL packed sgemm" if self.mkl else "oneDNN") + (f" ({timed})" if timed else "")
+        return self.library + (f" ({timed})" if timed else "")
 
 
 def mkl_packing_available() -> bool:
     return torch._C.has_mkl and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
 
 
+def f32_libraries() -> list[str]:
+    """The libraries this machine and torch build can run float32 prefill matmuls with."""
+    return [
+        lib
+        for lib in F32_LIBRARIES
+        if (lib != "mkl" or mkl_packing_available())
+        and (lib != "panels" or packed_linear_kernel() is not None)
+    ]
+
+
 @functools.cache
 def f32_matmul_plan() -> F32MatmulPlan:
     """This machine's choice for float32 inputs past `SMALL_ROWS` rows.
-    `RADIXRT_CPU_F32_MATMUL=onednn|mkl` pins it; by default (`auto`) both are timed once per
-    machine and torch build (~0.1 s) and the choice is kept under the kernel cache
-    (`attention.cpu_kernels.kept_plan`), so every process runs the same kernels and a float32
-    output does not depend on which process computed it."""
+    `RADIXRT_CPU_F32_MATMUL=onednn|mkl|panels` pins it; by default (`auto`) each library is
+    timed once per machine and torch build (~0.5 s) and the choice is kept under the kernel
+    cache (`attention.cpu_kernels.kept_plan`), so every process runs the same kernels and a
+    float32 output does not depend on which process computed it."""
     choice = os.environ.get("RADIXRT_CPU_F32_MATMUL", "auto").lower()
-    if choice not in ("auto", "onednn", "mkl"):
-        raise ValueError(f"RADIXRT_CPU_F32_MATMUL={choice!r}: expected auto, onednn or mkl")
-    if choice == "mkl" and not mkl_packing_available():
-        raise ValueError("RADIXRT_CPU_F32_MATMUL=mkl: this torch build has no MKL")
-    if choice != "auto" or not mkl_packing_available():
-        return F32MatmulPlan(choice == "mkl", {})
-    # What the kernels run on: the torch build (its MKL and oneDNN), the CPU, the ISA caps.
+    if choice != "auto" and choice not in F32_LIBRARIES:
+        raise ValueError(f"RADIXRT_CPU_F32_MATMUL={choice!r}: expected auto, onednn, mkl or panels")
+    candidates = f32_libraries()
+    if choice != "auto":
+        if choice not in candidates:
+            raise ValueError(f"RADIXRT_CPU_F32_MATMUL={choice}: not available on this machine")
+        return F32MatmulPlan(choice, {})
+    if len(candidates) == 1:
+        return F32MatmulPlan(candidates[0], {})
+    # What the kernels run on: the torch build (its MKL and oneDNN), the CPU, the ISA caps,
+    # and the libraries compared.
     caps = [os.environ.get(v, "") for v in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")]
-    key = hashlib.sha256("\0".join([torch.__version__, cpu_flags(), *caps]).encode())
+    key = hashlib.sha256("\0".join([torch.__version__, cpu_flags(), *caps, *candidates]).encode())
     saved = cache_dir() / f"f32-matmul-plan-{key.hexdigest()[:16]}.json"
-    plan = kept_plan(saved, F32MatmulPlan, _measure_f32_plan)
+    plan = kept_plan(saved, F32MatmulPlan, functools.partial(_measure_f32_plan, candidates))
     logger.info("CPU float32 matmuls past %d rows: %s", SMALL_ROWS, plan.describe())
     return plan
 
 
-def _measure_f32_plan() -> F32MatmulPlan:
-    """oneDNN's prepacked kernel against MKL's packed sgemm on one [3072, 576] weight (an MLP's
-    gate-up shape) at two prefill sizes; the faster in sum is chosen."""
+# One decoder layer of SmolLM2-135M ([out, in]: qkv, o, gate-up, down): what the plan times.
+_PLAN_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+_PLAN_ROWS = (96, 384)
+
+
+def _measure_f32_plan(candidates: list[str]) -> F32MatmulPlan:
+    """Time each candidate library on one decoder layer's four matmuls (`_PLAN_SHAPES`) at two
+    prefill sizes, the best of three interleaved tries (a slow try is the machine's noise, not
+    the library's); the fastest in sum is chosen."""
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(3072, 576, generator=gen) * 0.05
-    onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-    mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, MKL_PACK_ROWS)
+    weights = [torch.randn(shape, generator=gen) * 0.05 for shape in _PLAN_SHAPES]
+    kernel = packed_linear_kernel()
+    runs: dict[str, Callable[[torch.Tensor, int], object]] = {}
+    if "onednn" in candidates:
+        onednn = [pack_weight(w) for w in weights]
+        runs["onednn"] = lambda x, i: packed_linear(x, onednn[i], None)
+    if "mkl" in candidates:
+        mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, MKL_PACK_ROWS) for w in weights]
+        runs["mkl"] = lambda x, i: mkl_linear(x, mkl[i], weights[i], None)
+    if "panels" in candidates and kernel is not None:
+        panels = [kernel.pack(w) for w in weights]
+        runs["panels"] = lambda x, i: kernel(x, panels[i], weights[i].shape[0])
     timings: dict[str, float] = {}
-    for rows in (96, 384):
-        x = torch.randn(rows, 576, generator=gen)
-        timings[f"onednn_{rows}"] = median_ms(lambda x=x: packed_linear(x, onednn, None))
-        timings[f"mkl_{rows}"] = median_ms(lambda x=x: mkl_linear(x, mkl, weight, None))
-    faster = sum(v for k, v in timings.items() if k.startswith("mkl")) < sum(
-        v for k, v in timings.items() if k.startswith("onednn")
-    )
-    return F32MatmulPlan(faster, timings)
+    for rows in _PLAN_ROWS:
+        inputs = [torch.randn(rows, w.shape[1], generator=gen) for w in weights]
+        for _ in range(3):  # interleaved, so that a slow stretch of the machine hits all
+            for lib, run in runs.items():
+                ms = median_ms(lambda r=run, xs=inputs: [r(x, i) for i, x in enumerate(xs)], reps=3)
+                key = f"{lib}_{rows}"
+                timings[key] = min(timings.get(key, ms), ms)
+    totals = {lib: sum(timings[f"{lib}_{rows}"] for rows in _PLAN_ROWS) for lib in runs}
+    return F32MatmulPlan(min(totals, key=totals.__getitem__), timings)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -169,46 +211,54 @@ def mkl_linear(
 
 class PackableLinear(nn.Module):
     """Base of modules whose `forward` is `x @ weight.T + bias`: `pack_for_cpu()` adds packed
-    copies that `linear()` then uses for CPU inputs of the weight's dtype (the panels up to
-    `SMALL_ROWS` rows, oneDNN's above)."""
+    copies that `linear()` then uses for CPU inputs of the weight's dtype: the panels up to
+    `SMALL_ROWS` rows, and above, `large_rows` (the float32 plan's library; oneDNN's copy for
+    bfloat16 unless its plan runs the panels at every row count)."""
 
     weight: nn.Parameter
     bias: nn.Parameter | None
-    packed_weight: torch.Tensor | None = None
-    packed_by_mkl = False  # packed_weight is MKL's (float32 plan), not oneDNN's
+    large_rows: str | None = None  # what runs inputs past SMALL_ROWS; None: not packed
+    packed_weight: torch.Tensor | None = None  # oneDNN's (or MKL's) copy, if large_rows is
     panel_weight: torch.Tensor | None = None  # the compiled kernel's panels
     panel_kernel: PackedLinearKernel | None = None
 
     def pack_for_cpu(self) -> bool:
         if not can_pack(self.weight):
             return False
-        if self.weight.dtype == torch.float32 and f32_matmul_plan().mkl:
-            self.packed_weight = torch.ops.mkl._mkl_reorder_linear_weight(
-                self.weight.detach(), MKL_PACK_ROWS
-            )
-            self.packed_by_mkl = True
-        else:
-            self.packed_weight = pack_weight(self.weight)
         kernel = packed_linear_kernel()  # None where it cannot be built
         if kernel is not None and kernel.accepts(self.weight):
             self.panel_kernel = kernel
             self.panel_weight = kernel.pack(self.weight)
+        library = "onednn"
+        if self.weight.dtype == torch.float32:
+            library = f32_matmul_plan().library
+        if library == "panels" and self.panel_weight is None:
+            library = "onednn"
+        if library == "mkl":
+            self.packed_weight = torch.ops.mkl._mkl_reorder_linear_weight(
+                self.weight.detach(), MKL_PACK_ROWS
+            )
+        elif library == "onednn":
+            self.packed_weight = pack_weight(self.weight)
+        self.large_rows = library
         return True
 
     def linear(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
         """x @ weight.T (+ bias unless `add_bias` is False: a row-parallel layer adds it once,
         after summing the ranks' partial products)."""
         bias = self.bias if add_bias else None
-        packed = self.packed_weight
-        if packed is not None and not x.is_cuda and x.dtype == packed.dtype:
+        library = self.large_rows
+        if library is not None and not x.is_cuda and x.dtype == self.weight.dtype:
             kernel = self.panel_kernel
             if kernel is not None and (
-                x.numel() <= SMALL_ROWS * x.shape[-1] or kernel.runs_all_rows(x.dtype)
+                library == "panels"
+                or x.numel() <= SMALL_ROWS * x.shape[-1]
+                or kernel.runs_all_rows(x.dtype)
             ):
                 return kernel(x, self.panel_weight, self.weight.shape[0], bias)
-            if self.packed_by_mkl:
-                return mkl_linear(x, packed, self.weight, bias)
-            return packed_linear(x, packed, bias)
+            if library == "mkl":
+                return mkl_linear(x, self.packed_weight, self.weight, bias)
+            return packed_linear(x, self.packed_weight, bias)
         return torch.nn.functional.linear(x, self.weight, bias)
 
 
@@ -216,7 +266,7 @@ def prepack_cpu_weights(model: nn.Module) -> int:
     """Pack every linear weight of a CPU model; returns how many were packed. The panels then
     move into one arena (`panels_onto_huge_pages`)."""
     modules = [m for m in model.modules() if isinstance(m, PackableLinear) and m.pack_for_cpu()]
-    logger.info("CPU weights: %d matmul weights prepacked for oneDNN", len(modules))
+    logger.info("CPU weights: %d matmul weights prepacked", len(modules))
     panels_onto_huge_pages(modules)
     return len(modules)
 

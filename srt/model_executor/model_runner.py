@@ -1,7 +1,7 @@
 """`ModelRunner`: the model, its KV pools, the attention backend, the sampler, and the
 decode CUDA graphs.
 
-On CPU the matmul weights are prepacked for oneDNN right after loading
+On CPU the matmul weights are prepacked (panels, and oneDNN or MKL) right after loading
 (`srt/layers/cpu_packed.py`; `--disable-cpu-weight-prepack` turns it off), and the norms, the
 gated activation and RoPE get the compiled CPU layer ops (`fused_kernels.enable_cpu_ops`;
 `--disable-cpu-fused-ops` turns it off); with both, a Llama-family model's decode

@@ -21,8 +21,8 @@ from srt.layers.cpu_packed import (
     SMALL_ROWS,
     F32MatmulPlan,
     can_pack,
+    f32_libraries,
     f32_matmul_plan,
-    mkl_packing_available,
     prepack_cpu_weights,
 )
 from srt.layers.linear import QKVLinear, ReplicatedLinear
@@ -40,11 +40,11 @@ def initialised(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-@pytest.fixture(params=["onednn", "mkl"])
+@pytest.fixture(params=["onednn", "mkl", "panels"])
 def f32_plan(request, monkeypatch):
     """Each library for float32 inputs past SMALL_ROWS rows in turn (the plan pinned)."""
-    if request.param == "mkl" and not mkl_packing_available():
-        pytest.skip("this torch build has no MKL")
+    if request.param not in f32_libraries():
+        pytest.skip(f"no {request.param} on this machine")
     monkeypatch.setenv("RADIXRT_CPU_F32_MATMUL", request.param)
     f32_matmul_plan.cache_clear()
     yield request.param
@@ -61,7 +61,7 @@ def test_packed_linear_matches_f_linear(dtype: torch.dtype, rows: int) -> None:
     layer = initialised(ReplicatedLinear(48, 80, bias=True)).to(dtype)
     x = torch.randn(rows, 48).to(dtype)
     expected = F.linear(x.float(), layer.weight.float(), layer.bias.float())
-    assert layer.pack_for_cpu() and layer.packed_weight is not None
+    assert layer.pack_for_cpu() and layer.large_rows is not None
     got = layer(x)
     assert got.dtype == dtype and got.shape == (rows, 80)
     torch.testing.assert_close(got.float(), expected, atol=TOL[dtype], rtol=TOL[dtype])
@@ -76,50 +76,65 @@ def test_packed_linear_matches_f_linear(dtype: torch.dtype, rows: int) -> None:
 
 
 def test_large_float32_inputs_take_the_planned_library(f32_plan: str, monkeypatch) -> None:
+    """Up to SMALL_ROWS rows the panels, past them the plan's library; a second packed copy
+    only for oneDNN and MKL."""
+    if KERNEL is None:
+        pytest.skip("no C compiler: the panel kernel cannot build")
     layer = initialised(ReplicatedLinear(48, 80, bias=True))
-    assert layer.pack_for_cpu() and layer.packed_by_mkl == (f32_plan == "mkl")
+    assert layer.pack_for_cpu() and layer.large_rows == f32_plan
+    assert (layer.packed_weight is None) == (f32_plan == "panels")
     calls: list[str] = []
     for name in ("mkl_linear", "packed_linear"):  # spies around the real functions
         real = getattr(cpu_packed, name)
         monkeypatch.setattr(
             cpu_packed, name, lambda *a, name=name, real=real: calls.append(name) or real(*a)
         )
-    layer(torch.randn(SMALL_ROWS, 48))  # the panels
-    assert calls == []
+    panel_rows: list[int] = []
+    layer.panel_kernel = CountingKernel(layer.panel_kernel, panel_rows)
+    layer(torch.randn(SMALL_ROWS, 48))
+    assert calls == [] and panel_rows == [SMALL_ROWS]
     layer(torch.randn(SMALL_ROWS + 1, 48))
-    assert calls == ["mkl_linear" if f32_plan == "mkl" else "packed_linear"]
+    expected = {"mkl": ["mkl_linear"], "onednn": ["packed_linear"], "panels": []}[f32_plan]
+    assert calls == expected
+    assert panel_rows == [SMALL_ROWS] + ([SMALL_ROWS + 1] if f32_plan == "panels" else [])
 
 
-@pytest.mark.skipif(not mkl_packing_available(), reason="this torch build has no MKL")
+@pytest.mark.skipif(len(f32_libraries()) < 2, reason="one float32 library: nothing to plan")
 def test_f32_plan_is_measured_once_and_kept(tmp_path, monkeypatch) -> None:
-    """`auto` times both libraries once and keeps the choice under the kernel cache; later
+    """`auto` times the libraries once and keeps the choice under the kernel cache; later
     processes (here, calls after clearing the cache of the function) read it back;
-    `onednn` / `mkl` pin it; other values fail."""
+    `onednn` / `mkl` / `panels` pin it; other values fail."""
     monkeypatch.setenv("RADIXRT_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("RADIXRT_CPU_F32_MATMUL", "auto")
     measured: list[F32MatmulPlan] = []
     real = cpu_packed._measure_f32_plan
     monkeypatch.setattr(
-        cpu_packed, "_measure_f32_plan", lambda: measured.append(real()) or measured[-1]
+        cpu_packed, "_measure_f32_plan", lambda libs: measured.append(real(libs)) or measured[-1]
     )
+    libraries = f32_libraries()
     f32_matmul_plan.cache_clear()
     try:
         plan = f32_matmul_plan()
-        assert measured == [plan]
-        assert {"onednn_96", "mkl_96", "onednn_384", "mkl_384"} == plan.timings_ms.keys()
+        assert measured == [plan] and plan.library in libraries
+        assert {f"{lib}_{rows}" for lib in libraries for rows in (96, 384)} == set(plan.timings_ms)
+        totals = {
+            lib: plan.timings_ms[f"{lib}_96"] + plan.timings_ms[f"{lib}_384"] for lib in libraries
+        }
+        assert totals[plan.library] == min(totals.values())
         (saved,) = (tmp_path / "kernels").glob("f32-matmul-plan-*.json")
-        assert json.loads(saved.read_text())["mkl"] == plan.mkl
-        saved.write_text(json.dumps({"mkl": not plan.mkl, "timings_ms": {}}))
+        assert json.loads(saved.read_text())["library"] == plan.library
+        other = next(lib for lib in libraries if lib != plan.library)
+        saved.write_text(json.dumps({"library": other, "timings_ms": {}}))
         f32_matmul_plan.cache_clear()
-        assert f32_matmul_plan() == F32MatmulPlan(not plan.mkl, {})
+        assert f32_matmul_plan() == F32MatmulPlan(other, {})
         assert len(measured) == 1
-        for value, mkl in (("onednn", False), ("mkl", True)):
+        for value in libraries:
             monkeypatch.setenv("RADIXRT_CPU_F32_MATMUL", value)
             f32_matmul_plan.cache_clear()
-            assert f32_matmul_plan() == F32MatmulPlan(mkl, {})
+            assert f32_matmul_plan() == F32MatmulPlan(value, {})
         monkeypatch.setenv("RADIXRT_CPU_F32_MATMUL", "fast")
         f32_matmul_plan.cache_clear()
-        with pytest.raises(ValueError, match="auto, onednn or mkl"):
+        with pytest.raises(ValueError, match="auto, onednn, mkl or panels"):
             f32_matmul_plan()
     finally:
         f32_matmul_plan.cache_clear()
@@ -129,7 +144,7 @@ def test_unpackable_dtypes_keep_f_linear() -> None:
     layer = initialised(ReplicatedLinear(16, 8)).to(torch.float16)
     if can_pack(layer.weight):
         pytest.skip("this CPU's oneDNN runs float16")
-    assert not layer.pack_for_cpu() and layer.packed_weight is None
+    assert not layer.pack_for_cpu() and layer.large_rows is None
     x = torch.randn(4, 16).to(torch.float16)
     assert torch.equal(layer(x), F.linear(x, layer.weight))
 
@@ -167,7 +182,7 @@ def test_model_runner_prepacks_unless_disabled(tmp_path, disable: bool) -> None:
         disable_cpu_weight_prepack=disable,
     )
     model = ModelWorker(args).model_runner.model
-    packed = [m.packed_weight is not None for m in model.modules() if hasattr(m, "pack_for_cpu")]
+    packed = [m.large_rows is not None for m in model.modules() if hasattr(m, "pack_for_cpu")]
     assert packed and all(p != disable for p in packed)
 
 
@@ -247,22 +262,6 @@ def test_odd_k_float32_only():
     assert KERNEL.accepts(torch.empty(8, 7))
     assert not KERNEL.accepts(torch.empty(8, 7, dtype=torch.bfloat16))
     assert not KERNEL.accepts(torch.empty(8, 8, dtype=torch.float16))
-
-
-@needs_kernel
-def test_small_inputs_take_the_panel_kernel() -> None:
-    """Layers keep the panels beside oneDNN's copy: up to SMALL_ROWS rows run the compiled
-    kernel, more run oneDNN."""
-    from srt.layers import cpu_packed
-
-    layer = initialised(ReplicatedLinear(48, 80, bias=True))
-    assert layer.pack_for_cpu() and layer.panel_weight is not None
-    calls: list[int] = []
-    layer.panel_kernel = CountingKernel(layer.panel_kernel, calls)
-    for rows in (1, cpu_packed.SMALL_ROWS, cpu_packed.SMALL_ROWS + 1):
-        x = torch.randn(rows, 48)
-        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
-    assert calls == [1, cpu_packed.SMALL_ROWS]
 
 
 @needs_bf16_kernel
