@@ -15,11 +15,11 @@ Weights also get a second packed copy, in the panels of `attention/csrc/packed_l
 (float32; bfloat16 where the CPU has AVX512_BF16), and inputs of at most `SMALL_ROWS` rows
 (decode, one row per running request; small extends) run that kernel (larger ones too where
 the machine's plan says, below): it streams each panel once at the FMA rate, where oneDNN's
-small-row kernels do not. In bfloat16 the kernel either
-multiplies with `vdpbf16ps` or widens the weights to float32 FMAs, as the machine's measured
-plan says (`attention.cpu_kernels.bf16_matmul_plan`); where the widened kernel also beat
-oneDNN at a prefill size (a CPU whose `vdpbf16ps` is slow and that has no AMX), bfloat16
-inputs of every size run the panels (`PackedLinearKernel.runs_all_rows`): on the 2-core Xeon
+small-row kernels do not. In bfloat16 the kernel either multiplies with `vdpbf16ps` or widens
+the weights to float32 FMAs, as the machine's measured plan says
+(`attention.cpu_kernels.bf16_matmul_plan`); where the widened kernel also beat oneDNN at a
+prefill size (a CPU whose `vdpbf16ps` is slow and that has no AMX), bfloat16 inputs of every
+size run the panels (`PackedLinearKernel.runs_all_rows`): on the 2-core Xeon
 a 384-token bf16 prefill of SmolLM2-135M took 713 ms through oneDNN and 411 ms widened
 (float32: 349 ms).
 SmolLM2-135M's 121 matmuls (30 layers' qkv, o, gate-up, down, and the LM head), weights from
@@ -122,7 +122,7 @@ def f32_libraries() -> list[str]:
 def f32_matmul_plan() -> F32MatmulPlan:
     """This machine's choice for float32 inputs past `SMALL_ROWS` rows.
     `RADIXRT_CPU_F32_MATMUL=onednn|mkl|panels` pins it; by default (`auto`) each library is
-    timed once per machine and torch build (~0.5 s) and the choice is kept under the kernel
+    timed once per machine and torch build (~1 s) and the choice is kept under the kernel
     cache (`attention.cpu_kernels.kept_plan`), so every process runs the same kernels and a
     float32 output does not depend on which process computed it."""
     choice = os.environ.get("RADIXRT_CPU_F32_MATMUL", "auto").lower()
@@ -162,9 +162,9 @@ def _measure_f32_plan(candidates: list[str]) -> F32MatmulPlan:
         onednn = [pack_weight(w) for w in weights]
         runs["onednn"] = lambda x, i: packed_linear(x, onednn[i], None)
     if "mkl" in candidates:
-        mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, MKL_PACK_ROWS) for w in weights]
+        mkl = [mkl_pack_weight(w) for w in weights]
         runs["mkl"] = lambda x, i: mkl_linear(x, mkl[i], weights[i], None)
-    if "panels" in candidates and kernel is not None:
+    if "panels" in candidates and kernel is not None:  # a candidate only with the kernel
         panels = [kernel.pack(w) for w in weights]
         runs["panels"] = lambda x, i: kernel(x, panels[i], weights[i].shape[0])
     timings: dict[str, float] = {}
@@ -198,10 +198,16 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def mkl_pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """MKL's packed copy (`cblas_sgemm_pack`) of a dense float32 `[out, in]` weight, for
+    `mkl_linear`."""
+    return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), MKL_PACK_ROWS)
+
+
 def mkl_linear(
     x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """x @ W.T + b (float32) against `torch.ops.mkl._mkl_reorder_linear_weight(W, rows)`. A
+    """x @ W.T + b (float32) against a weight from `mkl_pack_weight`. A
     packed B holds the whole weight, whatever the row count it was packed for (MKL's
     `cblas_sgemm_compute` reads it for any m); `_mkl_linear` takes the packed path only when
     told the input's row count, so it is told."""
@@ -235,9 +241,7 @@ class PackableLinear(nn.Module):
         if library == "panels" and self.panel_weight is None:
             library = "onednn"
         if library == "mkl":
-            self.packed_weight = torch.ops.mkl._mkl_reorder_linear_weight(
-                self.weight.detach(), MKL_PACK_ROWS
-            )
+            self.packed_weight = mkl_pack_weight(self.weight)
         elif library == "onednn":
             self.packed_weight = pack_weight(self.weight)
         self.large_rows = library
