@@ -14,9 +14,10 @@
  *
  * Query head h uses KV head h / G (G = H / Hkv). One work item is (request, split): it reads
  * each of its tokens' K and V rows (all KV heads) once for all H queries, in tiles of TILE
- * tokens with an online softmax (running max and sum, float32). Long sequences are split so
- * that there are enough items for every thread; the splits are merged at the end by their
- * maxima and sums.
+ * tokens with an online softmax (running max and sum, float32). Each tile's rows are first
+ * brought into cache by a loop that does nothing else (touch_tile), then the scores and the
+ * weighted V sum read them from there. Long sequences are split so that there are enough
+ * items for every thread; the splits are merged at the end by their maxima and sums.
  */
 
 #include <float.h>
@@ -26,15 +27,14 @@
 
 #include "cpu_vec.h"
 
-/* Tokens per tile of the online softmax. Each tile reads its K rows, then its V rows: a longer
- * tile switches between the two streams less often (64 requests x 300-500 tokens, float32,
- * 30 layers' pools from DRAM, scratch harness on the 2-core Xeon: 128 tokens 56.6 ms a step,
- * 512 tokens 53.9 ms). */
-#define TILE 512
+/* Tokens per tile of the online softmax: touch_tile brings the tile's K and V rows into cache,
+ * then the passes over them find them there. A short tile keeps them in L1 / L2 between the
+ * two (64 requests x 64-576 tokens, float32, 30 layers' pools from DRAM, scratch harness on
+ * the 2-core EPYC, best of 10 interleaved: 512 tokens with software prefetch and no touch
+ * 109 ms a step; touched tiles of 128 tokens 85 ms, 64 tokens 77 ms, 32 tokens 71 ms). */
+#define TILE 32
 #define MIN_SPLIT_TOKENS 256
 #define SHARED_CHUNK 256
-#define PREFETCH 8
-#define PREFETCH_V 8
 /* Fixed bounds for the register arrays: a head dim of at most 128 (NV = D / W vectors), at
  * most MAX_GB queries per V pass. Sized by constants, not by NV (a variable-length array
  * lives on the stack, and every access to it is a load or a store), they stay in registers
@@ -56,15 +56,37 @@ static inline __attribute__((always_inline)) void load_row(const void *cache, in
     }
 }
 
-static inline void prefetch_row(const void *cache, int64_t slot, int row_bytes) {
-    const char *p = (const char *)cache + slot * row_bytes;
-    for (int off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off);
+/* Loads one word of every cache line of the K and V rows of tokens [t0, t0 + tn) and nothing
+ * else, so the core keeps as many misses in flight as it can track; the tile's passes then
+ * read the rows from cache. Reading them where they are used left one thread's misses bound
+ * by the arithmetic between them: ~10 GB/s for both cores, against ~19 GB/s for this loop.
+ * Software prefetches in the passes instead (8 to 64 tokens ahead, into L1 or L2) were no
+ * faster than none on the EPYC. */
+static inline __attribute__((always_inline)) void touch_tile(const void *k_cache,
+                                                             const void *v_cache,
+                                                             const int32_t *slots, int64_t t0,
+                                                             int tn, int row_bytes) {
+    int k_sum = 0, v_sum = 0;
+    for (int t = 0; t < tn; t++) {
+        const char *k = (const char *)k_cache + (int64_t)slots[t0 + t] * row_bytes;
+        const char *v = (const char *)v_cache + (int64_t)slots[t0 + t] * row_bytes;
+        for (int off = 0; off < row_bytes; off += 64) {
+            int kw, vw;
+            memcpy(&kw, k + off, sizeof kw);
+            memcpy(&vw, v + off, sizeof vw);
+            k_sum += kw;
+            v_sum += vw;
+            /* One scalar load per line: keeps the compiler from widening this into gathers. */
+            __asm__ volatile("" : "+r"(k_sum), "+r"(v_sum));
+        }
+    }
+    __asm__ volatile("" : : "r"(k_sum), "r"(v_sum));
 }
 
 /* One work item: the H = Hkv * G queries q[H][D] (float32) of one request against its
  * tokens [t_begin, t_end), D = W * NV, in tiles of TILE tokens. A token's K (then V) row
- * holds all its KV heads, scattered over the pool: rows are prefetched PREFETCH tokens ahead,
- * read from memory once per tile and from cache by the other queries and heads. Leaves the
+ * holds all its KV heads, scattered over the pool: rows are read from memory once per tile
+ * (touch_tile) and from cache by the queries and heads. Leaves the
  * unnormalised output in acc_out[H][D], the running max in m[H], the sum of exponentials in
  * l[H]. Inlined with constant G and NV.
  *
@@ -89,13 +111,11 @@ static inline void prefetch_row(const void *cache, int64_t slot, int row_bytes) 
 #endif
 /* Queries g0 .. g0 + GN of KV head h, columns [W * c0, W * (c0 + NC)) of their rows (GN and
  * NC constants, so their GN * NC accumulators stay in registers): acc_out rescaled by alphas,
- * plus the tile's tn probabilities s[j][t] times each token's V row. With `prefetch`, the V
- * rows PREFETCH tokens ahead are prefetched. */
+ * plus the tile's tn probabilities s[j][t] times each token's V row. */
 static inline __attribute__((always_inline)) void accumulate_v(
-    const void *v_cache, int kv_bf16, int64_t slot_stride, const int32_t *slots, int64_t t0,
-    int64_t t_end, int tn, int h, const int G, int g0, const int NV, const int GN, const int c0,
-    const int NC, int prefetch, int row_bytes, const float *s, const float *alphas,
-    float *acc_out) {
+    const void *v_cache, const int kv_bf16, int64_t slot_stride, const int32_t *slots,
+    int64_t t0, int tn, int h, const int G, int g0, const int NV, const int GN, const int c0,
+    const int NC, const float *s, const float *alphas, float *acc_out) {
     const int D = W * NV;
     float *out = acc_out + (int64_t)(h * G + g0) * D + W * c0;
     const float *p = s + (int64_t)(h * G + g0) * TILE;
@@ -106,8 +126,6 @@ static inline __attribute__((always_inline)) void accumulate_v(
         for (int c = 0; c < NC; c++)
             a[g][c] = load_f32(out + g * D + W * c) * alphas[h * G + g0 + g];
     for (int t = 0; t < tn; t++) {
-        if (prefetch && t0 + t + PREFETCH_V < t_end)
-            prefetch_row(v_cache, slots[t0 + t + PREFETCH_V], row_bytes);
         vf v[MAX_NV];
         load_row(v_cache, kv_bf16, (int64_t)slots[t0 + t] * slot_stride + h * D + W * c0, NC, v);
 #pragma GCC unroll 8
@@ -124,38 +142,38 @@ static inline __attribute__((always_inline)) void accumulate_v(
 }
 
 /* The V pass of KV head h: queries in groups of GB, each group's rows in column chunks of NC
- * vectors (GB, NC as attend_range picks them); the very first pass prefetches the rows. */
+ * vectors (GB, NC as attend_range picks them). */
 static inline __attribute__((always_inline)) void v_pass(
-    const void *v_cache, int kv_bf16, int64_t slot_stride, const int32_t *slots, int64_t t0,
-    int64_t t_end, int tn, int h, const int G, const int NV, const int GB, const int NC,
-    int row_bytes, const float *s, const float *alphas, float *acc_out) {
+    const void *v_cache, const int kv_bf16, int64_t slot_stride, const int32_t *slots,
+    int64_t t0, int tn, int h, const int G, const int NV, const int GB, const int NC,
+    const float *s, const float *alphas, float *acc_out) {
     int g0 = 0;
     for (; g0 + GB <= G; g0 += GB)
         for (int c0 = 0; c0 < NV; c0 += NC)
-            accumulate_v(v_cache, kv_bf16, slot_stride, slots, t0, t_end, tn, h, G, g0, NV, GB,
-                         c0, NC, h == 0 && g0 == 0 && c0 == 0, row_bytes, s, alphas, acc_out);
+            accumulate_v(v_cache, kv_bf16, slot_stride, slots, t0, tn, h, G, g0, NV, GB, c0, NC,
+                         s, alphas, acc_out);
     for (int c0 = 0; c0 < NV; c0 += NC) {
-        const int first = g0 == 0 && h == 0 && c0 == 0;
         switch (G - g0) { /* the last, partial group of queries: a constant count each */
         case 3:
-            accumulate_v(v_cache, kv_bf16, slot_stride, slots, t0, t_end, tn, h, G, g0, NV, 3,
-                         c0, NC, first, row_bytes, s, alphas, acc_out);
+            accumulate_v(v_cache, kv_bf16, slot_stride, slots, t0, tn, h, G, g0, NV, 3, c0, NC,
+                         s, alphas, acc_out);
             break;
         case 2:
-            accumulate_v(v_cache, kv_bf16, slot_stride, slots, t0, t_end, tn, h, G, g0, NV, 2,
-                         c0, NC, first, row_bytes, s, alphas, acc_out);
+            accumulate_v(v_cache, kv_bf16, slot_stride, slots, t0, tn, h, G, g0, NV, 2, c0, NC,
+                         s, alphas, acc_out);
             break;
         case 1:
-            accumulate_v(v_cache, kv_bf16, slot_stride, slots, t0, t_end, tn, h, G, g0, NV, 1,
-                         c0, NC, first, row_bytes, s, alphas, acc_out);
+            accumulate_v(v_cache, kv_bf16, slot_stride, slots, t0, tn, h, G, g0, NV, 1, c0, NC,
+                         s, alphas, acc_out);
             break;
         }
     }
 }
 
 static inline __attribute__((always_inline)) void attend_range(
-    const float *q, const void *k_cache, const void *v_cache, int kv_bf16, int64_t slot_stride,
-    const int32_t *slots, int64_t t_begin, int64_t t_end, int Hkv, const int G, const int NV,
+    const float *q, const void *k_cache, const void *v_cache, const int kv_bf16,
+    int64_t slot_stride, const int32_t *slots, int64_t t_begin, int64_t t_end, int Hkv,
+    const int G, const int NV,
     float scale, float *acc_out, float *m, float *l) {
     const int H = Hkv * G, D = W * NV;
     /* A V pass holds GB queries x NC vectors of their rows in registers: whole rows, unless
@@ -172,6 +190,7 @@ static inline __attribute__((always_inline)) void attend_range(
     }
     for (int64_t t0 = t_begin; t0 < t_end; t0 += TILE) {
         const int tn = (int)(t_end - t0 < TILE ? t_end - t0 : TILE);
+        touch_tile(k_cache, v_cache, slots, t0, tn, row_bytes);
         /* Scores W tokens at a time: one partial-product vector per token, then W of them
          * summed across lanes at once (sum_lanes), instead of one horizontal sum per score.
          * Each K row of the block is loaded once per KV head, for all G queries of the head
@@ -180,9 +199,7 @@ static inline __attribute__((always_inline)) void attend_range(
             const int bn = tn - tb < W ? tn - tb : W;
             int64_t base[W];
             for (int t = 0; t < bn; t++) {
-                const int64_t at = t0 + tb + t;
-                if (at + PREFETCH < t_end) prefetch_row(k_cache, slots[at + PREFETCH], row_bytes);
-                base[t] = (int64_t)slots[at] * slot_stride;
+                base[t] = (int64_t)slots[t0 + tb + t] * slot_stride;
             }
             for (int h = 0; h < Hkv; h++) {
                 /* Each token's K row of head h is loaded once for the G queries of the head:
@@ -232,18 +249,23 @@ static inline __attribute__((always_inline)) void attend_range(
             m[j] = new_m;
             alphas[j] = alpha;
         }
-        /* V rows of the tile: prefetched on the first head's pass, from cache after that. */
         for (int h = 0; h < Hkv; h++)
-            v_pass(v_cache, kv_bf16, slot_stride, slots, t0, t_end, tn, h, G, NV, GB, NC,
-                   row_bytes, &s[0][0], alphas, acc_out);
+            v_pass(v_cache, kv_bf16, slot_stride, slots, t0, tn, h, G, NV, GB, NC, &s[0][0],
+                   alphas, acc_out);
     }
 }
 
-/* attend_range specialised for the common query-group sizes and head dims. */
+/* attend_range specialised for the common query-group sizes and head dims, and for the pool's
+ * dtype (a constant, the row loads have no branch: 16 requests x 300-400 tokens, pool in L2,
+ * scratch harness on the EPYC: 157 -> 101 thread-ns a token and layer). */
 #define ATTEND_CASE(G_, D_)                                                                   \
     case (G_) * 1024 + (D_):                                                                  \
-        attend_range(q, k_cache, v_cache, kv_bf16, slot_stride, slots, t_begin, t_end, Hkv,  \
-                     G_, (D_) / W, scale, acc, m, l);                                         \
+        if (kv_bf16)                                                                          \
+            attend_range(q, k_cache, v_cache, 1, slot_stride, slots, t_begin, t_end, Hkv, G_, \
+                         (D_) / W, scale, acc, m, l);                                         \
+        else                                                                                  \
+            attend_range(q, k_cache, v_cache, 0, slot_stride, slots, t_begin, t_end, Hkv, G_, \
+                         (D_) / W, scale, acc, m, l);                                         \
         return;
 #define ATTEND_CASES(G_) ATTEND_CASE(G_, 64) ATTEND_CASE(G_, 128)
 

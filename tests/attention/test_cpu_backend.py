@@ -39,8 +39,8 @@ def test_decode_matches_reference(dtype, num_heads, num_kv_heads, head_dim):
     """Every specialised (query group, head dim) shape, ragged lengths, rows out of order."""
     h = cpu_harness(num_heads, num_kv_heads, dtype, head_dim, max_context_len=1024)
     assert h.builder.backend.uses_kernel
-    # Eight requests (one work item each, no split): request 3's 540 tokens span two tiles
-    # of the online softmax (TILE = 512 in csrc/paged_decode.c).
+    # Eight requests (one work item each, no split): request 3's 540 tokens span 17 tiles
+    # of the online softmax (TILE = 32 in csrc/paged_decode.c), the last one partial.
     lens = [3, 17, 1, 540, 2, 9, 30, 4]
     h.step(list(enumerate(lens)))
     for _ in range(3):
