@@ -173,8 +173,7 @@ static inline __attribute__((always_inline)) void v_pass(
 static inline __attribute__((always_inline)) void attend_range(
     const float *q, const void *k_cache, const void *v_cache, const int kv_bf16,
     int64_t slot_stride, const int32_t *slots, int64_t t_begin, int64_t t_end, int Hkv,
-    const int G, const int NV,
-    float scale, float *acc_out, float *m, float *l) {
+    const int G, const int NV, float scale, float *acc_out, float *m, float *l) {
     const int H = Hkv * G, D = W * NV;
     /* A V pass holds GB queries x NC vectors of their rows in registers: whole rows, unless
      * that leaves one query a pass in a group of several; then half rows (or less). */
@@ -256,8 +255,9 @@ static inline __attribute__((always_inline)) void attend_range(
 }
 
 /* attend_range specialised for the common query-group sizes and head dims, and for the pool's
- * dtype (a constant, the row loads have no branch: 16 requests x 300-400 tokens, pool in L2,
- * scratch harness on the EPYC: 157 -> 101 thread-ns a token and layer). */
+ * dtype: a constant, so the row loads carry no branch (64 requests x 64-576 tokens from DRAM,
+ * scratch harness on the EPYC, two interleaved runs: 112 -> 106 ms and 91 -> 86 ms a step;
+ * within noise with the pool in L3). */
 #define ATTEND_CASE(G_, D_)                                                                   \
     case (G_) * 1024 + (D_):                                                                  \
         if (kv_bf16)                                                                          \
