@@ -23,6 +23,10 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # Default --max-prefill-tokens by device (see ServerArgs.prefill_token_budget).
 GPU_PREFILL_TOKENS = 16384
 CPU_PREFILL_TOKENS = 384
+# On CPU, with the default, a waiting queue of N new tokens raises the budget of the next
+# batch to N / CPU_QUEUE_SHARE, up to CPU_LONG_QUEUE_PREFILL_TOKENS.
+CPU_QUEUE_SHARE = 8
+CPU_LONG_QUEUE_PREFILL_TOKENS = 2048
 
 
 def _opt(
@@ -138,8 +142,8 @@ class ServerArgs:
     max_prefill_tokens: int | None = _opt(
         None,
         "max new prompt tokens in one prefill batch (default 16384 on GPU; 384 on CPU, where "
-        "prefill throughput is nearly flat from a few hundred tokens and a larger batch only "
-        "delays its requests' first tokens)",
+        "a larger batch mostly delays its requests' first tokens, raised to an eighth of the "
+        "waiting queue's new tokens, up to 2048, while the queue is long)",
     )
     chunked_prefill_size: int = _opt(8192, "max tokens of one prompt per chunk; -1 disables")
     schedule_policy: str = _opt("lpm", "waiting-queue order", ["lpm", "fcfs", "dfs-weight"])
@@ -295,17 +299,30 @@ class ServerArgs:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def prefill_token_budget(self) -> int:
-        """`--max-prefill-tokens`, or the device's default. On a CPU one forward already runs
-        the matmuls near their peak rate at a few hundred rows (SmolLM2-135M, float32, 2-core
-        Xeon, bench_one_batch: 1105 / 1117 / 1142 / 1059 prompt tokens/s for batches of 512 /
-        1024 / 2048 / 4096 tokens), so a larger batch gains no throughput and every request
-        in it waits for all of it (W2: mean TTFT 1.8 s with 16384, 1.0 s with 1024, the same
-        duration; with the fused decode layer, 0.89 s with 1024 and 0.77 s with 384, the same
-        duration, W1 1% slower). GPUs gain from large batches: SGLang's 16384 stays there."""
+    def prefill_token_budget(self, queued_tokens: int = 0) -> int:
+        """`--max-prefill-tokens`, or the device's default for a waiting queue of
+        `queued_tokens` new prompt tokens. GPUs gain from large batches: SGLang's 16384.
+
+        On a CPU the default is 384, raised to `queued_tokens / 8` up to 2048. One forward
+        runs the matmuls near their peak rate from a few hundred rows, so a short queue gains
+        little from a larger batch and every request in it waits for all of it (W2: mean TTFT
+        1.8 s with 16384, 1.0 s with 1024, the same duration; with the fused decode layer,
+        0.89 s with 1024 and 0.77 s with 384). A long queue does gain: 16 of W1's prompts
+        (64-512 tokens) prefilled in batches of up to 2048 tokens took a median 10.09 s against
+        10.95 s in batches of up to 384 (2-core AMD EPYC, Zen 3, float32; 12 interleaved
+        tries, 2048 faster in 10). The prefill runs before any decode while requests are
+        waiting, so every queued request waits for the whole queue anyway: a batch of 1/8 of
+        the queue adds at most 1/8 of it to the first tokens of its own requests, less than the
+        throughput it gains at the cap, and nothing to a queue of at least 16384 tokens but the
+        cap. A queue under 8 x 384 tokens keeps 384; W2's first wave (7 new 544-token system
+        prompts, ~3800 new tokens counting a prompt held back for its shared prefix once)
+        gets ~480, which makes the same batches. `--max-prefill-tokens` pins the budget."""
         if self.max_prefill_tokens is not None:
             return self.max_prefill_tokens
-        return GPU_PREFILL_TOKENS if self.resolved_device() != "cpu" else CPU_PREFILL_TOKENS
+        if self.resolved_device() != "cpu":
+            return GPU_PREFILL_TOKENS
+        by_queue = queued_tokens // CPU_QUEUE_SHARE
+        return min(max(CPU_PREFILL_TOKENS, by_queue), CPU_LONG_QUEUE_PREFILL_TOKENS)
 
     def overlap_schedule(self) -> bool:
         """Does the scheduler run the overlap loop? By default on GPU only: on a CPU the forward

@@ -2,10 +2,11 @@
 
 The policy (policy.py) matches every waiting request against the tree and orders the queue;
 `PrefillAdder` admits requests under the total-token, prefill-token and chunk budgets, the
-total-token budget reserving what running requests may still grow by (`NewTokenRatio`). The
-chunked request, if any, continues first. With `--enable-mixed-chunk` the running decodes
-ride along with every prefill batch (MIXED), as in SGLang, and their tokens count against
-`--max-prefill-tokens`.
+total-token budget reserving what running requests may still grow by (`NewTokenRatio`); the
+prefill-token budget is `ServerArgs.prefill_token_budget` of the new tokens waiting (on CPU a
+long queue gets larger batches). The chunked request, if any, continues first. With
+`--enable-mixed-chunk` the running decodes ride along with every prefill batch (MIXED), as in
+SGLang, and their tokens count against the prefill-token budget.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class PrefillPlanner:
         if server_args.enable_priority_scheduling:
             by_priority = urgency(server_args.schedule_low_priority_values_first)
         self.policy = SchedulePolicy(server_args.schedule_policy, kv, by_priority)
-        self.max_prefill_tokens = server_args.prefill_token_budget()
+        self.server_args = server_args
         self.chunk_size = server_args.chunk_size
         self.mixed_chunk = server_args.enable_mixed_chunk
 
@@ -92,13 +93,14 @@ class PrefillPlanner:
     def _admit(self, max_new_reqs: int) -> PrefillAdder:
         q = self.queues
         self.policy.calc_priority(q.waiting)
+        budget = self.prefill_budget()
         adder = PrefillAdder(
             self.kv,
             self.kv.available_tokens(),
             q.running,
             self.decode.ratio.value,
             # Mixed: the running decodes' tokens ride in this batch and count against it.
-            self.max_prefill_tokens - (len(q.running) if self.mixed_chunk else 0),
+            budget - (len(q.running) if self.mixed_chunk else 0),
             self.chunk_size,
             max_new_reqs,
             self.kv.page_size,
@@ -111,3 +113,13 @@ class PrefillPlanner:
             if adder.add_one_req(req) != AddResult.CONTINUE:
                 break
         return adder
+
+    def prefill_budget(self) -> int:
+        """This round's prefill-token budget, from the new tokens waiting after the policy
+        matched them: a request held back for a prefix shared with one ahead of it counts
+        next round, when that prefix is cached."""
+        q, held_back = self.queues, self.policy.held_back
+        queued = sum(r.extend_input_len() for r in q.waiting if r.rid not in held_back)
+        if q.chunked is not None:
+            queued += q.chunked.seq_len() - q.chunked.kv.prefix_len()
+        return self.server_args.prefill_token_budget(queued)
