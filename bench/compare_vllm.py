@@ -9,7 +9,9 @@ Dtypes: float32 always, bfloat16 too where the CPU has native bf16 (`avx512_bf16
 here; `0-1` gives it both cores) and the best one is compared.
 
 - W1 (offline): `bench.bench_offline` in a child process, and `bench/peers/vllm_offline.py`
-  in the peer's venv over the same prompt ids; output tokens per second.
+  in the peer's venv over the same prompt ids; output tokens per second. With `--w1-tries N`
+  every engine runs W1 N times, the order reversed each try (so that the machine's drift
+  hits all alike), and each engine's median try is compared; every try is kept.
 - W2 (serving): bench_serving's generated-shared-prefix workload (8 x 8 prompts, system 512,
   question 32, output 64, concurrency 16) through the OpenAI completions route of each
   server, RadixRT with and without its radix cache, vLLM with prefix caching.
@@ -26,6 +28,7 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,19 +90,37 @@ def run_child(cmd: list[str], env: dict[str, str], log: Path) -> dict[str, Any]:
     return result
 
 
-def w1_radixrt(dtype: str, out_dir: Path) -> dict[str, Any]:
+def w1_radixrt(dtype: str, log: Path) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "bench.bench_offline", "--dtype", dtype]
-    return run_child(cmd, {}, out_dir / f"w1-radixrt-{dtype}.log")
+    return run_child(cmd, {}, log)
 
 
-def w1_vllm(venv: str, dtype: str, bind: str, prompts: Path, out_dir: Path) -> dict[str, Any]:
+def w1_vllm(venv: str, dtype: str, bind: str, prompts: Path, log: Path) -> dict[str, Any]:
     from srt.model_loader.loader import resolve_model_path
 
     script = Path(__file__).parent / "peers" / "vllm_offline.py"
     cmd = [str(Path(venv) / "bin" / "python"), str(script), "--model", resolve_model_path(None)]
     cmd += ["--prompts", str(prompts), "--dtype", dtype]
     env = {"VLLM_CPU_KVCACHE_SPACE": "6", "VLLM_CPU_OMP_THREADS_BIND": bind}
-    return run_child(cmd, env, out_dir / f"w1-vllm-{dtype}-{bind}.log")
+    return run_child(cmd, env, log)
+
+
+def w1_alternating(
+    runners: dict[str, Callable[[int], dict[str, Any]]], tries: int
+) -> dict[str, dict[str, Any]]:
+    """Run every engine's W1 `tries` times (`runner(try_index)`), in the given order on even
+    tries and reversed on odd ones; per engine, its median try by seconds (the lower middle
+    of an even count) with `tries_seconds`, every try's seconds in the order run."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in runners}
+    for t in range(tries):
+        order = list(runners) if t % 2 == 0 else list(reversed(runners))
+        for name in order:
+            runs[name].append(runners[name](t))
+    picked = {}
+    for name, results in runs.items():
+        median = sorted(results, key=lambda r: r["seconds"])[(len(results) - 1) // 2]
+        picked[name] = {**median, "tries_seconds": [r["seconds"] for r in results]}
+    return picked
 
 
 def w2(side: Side, out_dir: Path) -> dict[str, Any]:
@@ -117,9 +138,19 @@ def compare_dtype(args: argparse.Namespace, dtype: str, out_dir: Path) -> dict[s
     if "w1" in args.workloads:
         prompts = out_dir / "w1_prompts.json"
         prompts.write_text(json.dumps(w1_prompts(64, 64, 512, default_vocab_size(), seed=0)))
-        res["w1"]["radixrt"] = w1_radixrt(dtype, out_dir)
+        tries = args.w1_tries
+
+        def log(name: str, t: int) -> Path:
+            return out_dir / (f"w1-{name}-{dtype}" + (f"-try{t + 1}" if tries > 1 else "") + ".log")
+
+        runners: dict[str, Callable[[int], dict[str, Any]]] = {
+            "radixrt": lambda t: w1_radixrt(dtype, log("radixrt", t))
+        }
         for bind in args.vllm_binds:
-            res["w1"][f"vllm[{bind}]"] = w1_vllm(args.vllm_venv, dtype, bind, prompts, out_dir)
+            runners[f"vllm[{bind}]"] = lambda t, bind=bind: w1_vllm(
+                args.vllm_venv, dtype, bind, prompts, log(f"vllm-{bind}", t)
+            )
+        res["w1"] = w1_alternating(runners, tries)
     if "w2" in args.workloads:
         common = f"--dtype {dtype} {args.server_args}"
         sides = [
@@ -155,7 +186,10 @@ def table(dtype: str, res: dict[str, Any]) -> str:
         lines.append("| W1 (offline) | output tok/s | seconds |")
         lines.append("|---|---|---|")
         for name, r in w1.items():
-            lines.append(f"| {name} | {r['output_tok_per_s']:.1f} | {r['seconds']:.1f} |")
+            seconds = f"{r['seconds']:.1f}"
+            if len(r.get("tries_seconds", [])) > 1:  # the median try, then every try
+                seconds += " (tries: " + ", ".join(f"{x:.1f}" for x in r["tries_seconds"]) + ")"
+            lines.append(f"| {name} | {r['output_tok_per_s']:.1f} | {seconds} |")
     if w2r:
         lines.append("\n| W2 (serving) | duration s | total tok/s | mean TTFT ms | mean TPOT ms "
                      "| hit rate |")  # fmt: skip
@@ -198,6 +232,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--vllm-venv", default=str(Path.home() / ".venvs" / "vllm-cpu"))
     p.add_argument("--dtypes", default=None, help="comma-separated; default: what runs fast")
     p.add_argument("--workloads", default="w1,w2")
+    p.add_argument(
+        "--w1-tries", type=int, default=1, help="W1 runs per engine, alternating; median compared"
+    )
     p.add_argument("--vllm-binds", default="auto,0-1", help="VLLM_CPU_OMP_THREADS_BIND values")
     p.add_argument("--vllm-no-cache", action="store_true", help="also vLLM without prefix cache")
     p.add_argument("--server-args", default="", help="extra launch_server args for RadixRT")

