@@ -92,6 +92,13 @@ def run_child(cmd: list[str], env: dict[str, str], log: Path) -> dict[str, Any]:
     return result
 
 
+def try_dir(base: Path, tries: int, t: int) -> Path:
+    """Where try `t` of `tries` writes its logs: `base`, or `base/try<t + 1>` for several."""
+    folder = base / f"try{t + 1}" if tries > 1 else base
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 def w1_radixrt(dtype: str, log: Path) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "bench.bench_offline", "--dtype", dtype]
     return run_child(cmd, {}, log)
@@ -131,7 +138,6 @@ def w2(side: Side, out_dir: Path) -> dict[str, Any]:
 
     # Both servers' prompts come from the same tokenizer (vLLM has no /get_model_info).
     bench_args = build_parser().parse_args([*W2, "--tokenizer", resolve_model_path(None)])
-    out_dir.mkdir(parents=True, exist_ok=True)
     result = run_side(side, bench_args, out_dir)
     result.pop("ttfts_s", None)
     return result
@@ -142,10 +148,9 @@ def compare_dtype(args: argparse.Namespace, dtype: str, out_dir: Path) -> dict[s
     if "w1" in args.workloads:
         prompts = out_dir / "w1_prompts.json"
         prompts.write_text(json.dumps(w1_prompts(64, 64, 512, default_vocab_size(), seed=0)))
-        tries = args.w1_tries
 
         def log(name: str, t: int) -> Path:
-            return out_dir / (f"w1-{name}-{dtype}" + (f"-try{t + 1}" if tries > 1 else "") + ".log")
+            return try_dir(out_dir, args.w1_tries, t) / f"w1-{name}-{dtype}.log"
 
         runners: dict[str, Callable[[int], dict[str, Any]]] = {
             "radixrt": lambda t: w1_radixrt(dtype, log("radixrt", t))
@@ -154,7 +159,7 @@ def compare_dtype(args: argparse.Namespace, dtype: str, out_dir: Path) -> dict[s
             runners[f"vllm[{bind}]"] = lambda t, bind=bind: w1_vllm(
                 args.vllm_venv, dtype, bind, prompts, log(f"vllm-{bind}", t)
             )
-        res["w1"] = alternating(runners, tries, "seconds")
+        res["w1"] = alternating(runners, args.w1_tries, "seconds")
     if "w2" in args.workloads:
         common = f"--dtype {dtype} {args.server_args}"
         sides = [
@@ -170,12 +175,9 @@ def compare_dtype(args: argparse.Namespace, dtype: str, out_dir: Path) -> dict[s
             side.env["VLLM_CPU_OMP_THREADS_BIND"] = args.vllm_binds[0]
             sides.append(side)
 
-        def try_dir(t: int) -> str:
-            return f"try{t + 1}" if args.w2_tries > 1 else ""
-
         res["w2"] = alternating(
             {
-                side.name: lambda t, side=side: w2(side, out_dir / dtype / try_dir(t))
+                side.name: lambda t, side=side: w2(side, try_dir(out_dir / dtype, args.w2_tries, t))
                 for side in sides
             },
             args.w2_tries,

@@ -11,6 +11,7 @@ SGLang, and their tokens count against the prefill-token budget.
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 from managers.schedule_batch import ScheduleBatch
@@ -45,6 +46,12 @@ class PrefillPlanner:
             by_priority = urgency(server_args.schedule_low_priority_values_first)
         self.policy = SchedulePolicy(server_args.schedule_policy, kv, by_priority)
         self.server_args = server_args
+        # The budget of an empty and of an endless queue: equal (GPU, or pinned by
+        # --max-prefill-tokens), the queue need not be counted each round.
+        self.budget_range = (
+            server_args.prefill_token_budget(0),
+            server_args.prefill_token_budget(sys.maxsize),
+        )
         self.chunk_size = server_args.chunk_size
         self.mixed_chunk = server_args.enable_mixed_chunk
 
@@ -118,6 +125,9 @@ class PrefillPlanner:
         """This round's prefill-token budget, from the new tokens waiting after the policy
         matched them: a request held back for a prefix shared with one ahead of it counts
         next round, when that prefix is cached."""
+        low, high = self.budget_range
+        if low == high:
+            return low
         q, held_back = self.queues, self.policy.held_back
         queued = sum(r.extend_input_len() for r in q.waiting if r.rid not in held_back)
         if q.chunked is not None:

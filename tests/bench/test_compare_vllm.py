@@ -3,8 +3,10 @@ run itself needs the peer's venv: bench/peers/install_vllm_cpu.sh)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from bench.ab import vllm_side
-from bench.compare_vllm import alternating, best_vllm, cpu_header, table
+from bench.compare_vllm import alternating, best_vllm, cpu_header, table, try_dir
 
 
 def w2(duration: float, tpot: float, ttft: float, total: float) -> dict:
@@ -93,3 +95,9 @@ def test_tries_alternate_the_order_and_compare_each_engines_median() -> None:
     assert "| radixrt | 40.0 (tries: 40.0, 38.0, 45.0) | 1000 | 700 | 50 | 50% |" in table(
         "float32", {"w1": {}, "w2": side}
     )
+
+
+def test_several_tries_log_into_a_folder_each(tmp_path: Path) -> None:
+    assert try_dir(tmp_path / "w2", 1, 0) == tmp_path / "w2"
+    assert try_dir(tmp_path / "w2", 3, 1) == tmp_path / "w2" / "try2"
+    assert (tmp_path / "w2" / "try2").is_dir()
