@@ -2,14 +2,14 @@
 
 The torch path (`torch_native`) gathers each request's K/V out of the pool into contiguous
 buffers and runs batched matmuls on them, a few small ops per request and layer. This
-backend calls two C kernels instead (see `attention/cpu_kernels.py`), one call per layer,
+backend calls two C kernels instead (see `srt/kernels/attention.py`), one call per layer,
 no gather, no per-request Python, online softmax in float32:
 
-- decode, `attention/csrc/paged_decode.c`: walks `req_to_token` and reads every K and V row
+- decode, `srt/kernels/csrc/paged_decode.c`: walks `req_to_token` and reads every K and V row
   once, straight from the pool, for all the query heads of a request (decode is bound by
   reading K/V); where requests hold the same leading slots (a prefix the radix cache shares,
   found once per step by `shared_prefixes`), those rows are read once for all of them;
-- extend, `attention/csrc/paged_extend.c`: the new tokens of a request in blocks, each over
+- extend, `srt/kernels/csrc/paged_extend.c`: the new tokens of a request in blocks, each over
   the keys its last token sees (bottom-right causal over the cached prefix), a tile of keys
   at a time copied out of the pool once and multiplied against the block's query rows.
 
@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from attention.cpu_kernels import (
+from attention.torch_native_backend import TorchNativeAttnBackend
+from srt.kernels.attention import (
     PagedAttentionKernel,
     paged_decode_kernel,
     paged_extend_kernel,
     shared_prefixes,
 )
-from attention.torch_native_backend import TorchNativeAttnBackend
 
 if TYPE_CHECKING:
     from attention.radix_attention import RadixAttention

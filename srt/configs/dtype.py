@@ -1,9 +1,9 @@
 """Resolve ``--dtype`` (auto | float32 | bfloat16 | float16) to a torch dtype.
 
-``auto`` rules, from ``bench/bench_dtype.py`` on a 2-core AMD EPYC with avx512_bf16
-(SmolLM2-135M linear shapes, torch 2.13): bf16 is 3.4-4.5x faster than fp32 for 64-512
-token prefills, slightly faster for single-token decode (1.1-1.3x), and fp16 GEMMs run
-2.6-4.7x slower than fp32 for 64-512 tokens (no native fp16 path). Hence:
+``auto`` rules, from ``python -m bench.bench_dtype`` on a CPU with avx512_bf16 (SmolLM2-135M's
+linear shapes): bf16 is several times faster than fp32 for prefills, slightly faster for
+single-token decode, and fp16 GEMMs run several times slower than fp32 (no native fp16 path).
+Hence:
 
 - CUDA: the config's dtype when it is fp16/bf16; a float32 (or missing) config -> bfloat16
   (float16 on GPUs without bf16).
@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from pathlib import Path
 
 import torch
+
+from srt import environ
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ def cpu_has_fast_bf16() -> bool:
     """True where the CPU has native bf16 matmul instructions (AMX or AVX512-BF16) and oneDNN
     may use them: ``ONEDNN_MAX_CPU_ISA=AVX2`` (how the test suite emulates an AVX2-only CPU)
     makes bf16 matmuls as slow as on such a CPU, so ``auto`` must not pick bf16 then."""
-    if os.environ.get("ONEDNN_MAX_CPU_ISA", "").lower() in _ONEDNN_ISAS_WITHOUT_BF16:
+    if environ.ONEDNN_MAX_CPU_ISA.get().lower() in _ONEDNN_ISAS_WITHOUT_BF16:
         return False
     flags = cpu_flags()
     if flags:

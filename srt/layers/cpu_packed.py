@@ -1,54 +1,29 @@
-"""Prepacked weights (oneDNN, MKL, compiled panels) for the CPU matmuls of linear layers and
-the LM head.
+"""Packed copies of the CPU linear weights (oneDNN, MKL, compiled panels), and which one runs
+a matmul of how many rows.
 
 `F.linear` on CPU calls MKL's sgemm on a plain `[out, in]` weight, which re-blocks the weight
-for every call: at the small row counts of decode (one row per running request) that is most
-of the cost. oneDNN can block the weight once, at load time, into the layout its kernels read
-(`torch.ops.mkldnn._reorder_linear_weight`), and then run `_linear_pointwise` against it.
-Measured on SmolLM2-135M's linear shapes (2-core AMD EPYC, torch 2.13; `python -m
-bench.bench_dtype --tokens 16 256 1024` with and without `--prepacked`): float32 2.0x faster at
-16 rows, 1.5x at 256-1024 rows (with oneDNN capped to AVX2: 1.7x and 1.2x); bfloat16
-1.4-2.2x faster at 16 rows (runs vary), the same at 1024. A decode step at batch 16
-(`bench/bench_one_batch.py`): float32 178 -> 134 ms, bfloat16 87 -> 74 ms.
+on every call: at decode's small row counts that is most of the cost. So each weight is packed
+once at load (`prepack_cpu_weights`) into the layout a library's kernel reads; `python -m
+bench.bench_dtype --tokens 16 256 1024`, with and without `--prepacked`, measures what that
+buys, and `python -m bench.bench_one_batch --batch-size 1 16 64`, with and without
+`--disable-cpu-weight-prepack`, what it buys a step.
 
-Weights also get a second packed copy, in the panels of `attention/csrc/packed_linear.c`
-(float32; bfloat16 where the CPU has AVX512_BF16), and inputs of at most `SMALL_ROWS` rows
-(decode, one row per running request; small extends) run that kernel (larger ones too where
-the machine's plan says, below): it streams each panel once at the FMA rate, where oneDNN's
-small-row kernels do not. In bfloat16 the kernel either multiplies with `vdpbf16ps` or widens
-the weights to float32 FMAs, as the machine's measured plan says
-(`attention.cpu_kernels.bf16_matmul_plan`); where the widened kernel also beat oneDNN at a
-prefill size (a CPU whose `vdpbf16ps` is slow and that has no AMX), bfloat16 inputs of every
-size run the panels (`PackedLinearKernel.runs_all_rows`): on the 2-core Xeon
-a 384-token bf16 prefill of SmolLM2-135M took 713 ms through oneDNN and 411 ms widened
-(float32: 349 ms).
-SmolLM2-135M's 121 matmuls (30 layers' qkv, o, gate-up, down, and the LM head), weights from
-DRAM, medians (scratch script, 2-core AMD EPYC Zen 4), oneDNN -> kernel: float32 1 row 28.6
--> 20.6 ms, 16 rows 33.3 -> 29.5 ms (re-run 32.9 -> 27.9), 64 rows 93.7 -> 89.5 ms (capped to
-AVX2: 25.3 -> 17.2, 41.4 -> 35.7, 108.9 -> 95.6 ms); bfloat16 1 row 13.9 -> 9.4 ms, 16 rows
-18.6 -> 13.2 ms, 64 rows 47.9 -> 42.2 ms. At prefill sizes oneDNN stayed ahead there (float32
-544 rows 561 vs 591 ms, 2048 rows 2102 vs 2169 ms). The cost is one
-more copy of the matmul weights. The kernel keeps its accumulators in registers and
-prefetches a steady distance ahead of the weights it multiplies (its comment says how); on a
-2-core Xeon (avx512_bf16, no AMX; float32 weights from DRAM) the 121 matmuls take 1 row 17.7
-ms, 16 rows 25.5 ms and 64 rows 60 ms (oneDNN 16 rows: 38.1 ms).
+- Inputs of at most `SMALL_ROWS` rows (decode, one row per running request; small extends)
+  run the compiled panels of `srt/kernels/csrc/packed_linear.c`: they stream each panel once
+  at the FMA rate, where oneDNN's small-row kernels do not. In bfloat16 they multiply with
+  `vdpbf16ps` or widen the weights to float32 FMAs, as the machine's measured plan says
+  (`srt.kernels.linear.bf16_matmul_plan`).
+- Larger float32 inputs (prefill) run whichever of oneDNN, MKL's packed sgemm and the panels
+  `f32_matmul_plan` measured fastest on this machine: each wins on some CPU.
+- Larger bfloat16 inputs run oneDNN, unless the bf16 plan found the widened panels faster at
+  a prefill size (a CPU whose `vdpbf16ps` is slow and that has no AMX).
 
-In float32, inputs past `SMALL_ROWS` rows (prefill) run whichever of oneDNN, MKL's packed
-sgemm and the panels is fastest on the machine (`f32_matmul_plan`: timed once per machine and
-torch build over one decoder layer's four matmuls, and kept, as the bf16 plan is;
-`RADIXRT_CPU_F32_MATMUL=onednn|mkl|panels` pins it). Each wins somewhere: on the 2-core Xeon
-MKL (a [3072, 576] weight at 384 rows: oneDNN 3.85, MKL 3.21 ms; a 304-token prefill's
-matmuls: 187.6, 180.8 ms); on the Zen 4 EPYC above, oneDNN; on a 2-core EPYC (Zen 3,
-AVX2 only) the panels: SmolLM2's 120 layer matmuls, weights from DRAM, fastest of 5 (scratch
-script), 96 rows oneDNN 184 / MKL 190 / panels 144 ms, 384 rows 535 / 554 / 461 ms, 768 rows
-1213 / 1084 / 945 ms (panels ~172 GFLOP/s of the two cores' ~192 peak, oneDNN ~150), and W1
-float32 (`python -m bench.bench_offline`, alternating runs) 73.7 / 73.0 s with oneDNN
-against 69.1 / 64.0 s with the panels. MKL's copy replaces oneDNN's; the panels need none.
-
-A packed weight is an opaque oneDNN (or MKL) tensor beside the dense parameter, which stays the
-source of truth (weight loading, tied embeddings, tests). Under tensor parallelism the dense
-parameter is this rank's shard, and the shard is what gets packed. Packing is CPU-only and skipped
-for dtypes the CPU's oneDNN cannot run (float16 without AVX512-FP16, bf16 without AVX512).
+A layer holds its copies in a `PackedWeight` (None where not packed) beside the dense
+parameter, which stays the source of truth (weight loading, tied embeddings, tests). The
+panels cost one more copy of the weights; MKL's copy replaces oneDNN's, the panels need
+none. Under tensor parallelism the dense parameter is this rank's shard, and the shard is
+what gets packed. Packing is CPU-only and skipped for dtypes the CPU's oneDNN cannot run
+(float16 without AVX512-FP16, bf16 without AVX512).
 """
 
 from __future__ import annotations
@@ -58,21 +33,16 @@ import functools
 import hashlib
 import logging
 import mmap
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from attention.cpu_kernels import (
-    PackedLinearKernel,
-    cache_dir,
-    cpu_flags,
-    kept_plan,
-    median_ms,
-    packed_linear_kernel,
-)
+from srt import environ
+from srt.kernels.build import cache_dir, cpu_flags, kept_plan, median_ms
+from srt.kernels.linear import PackedLinearKernel, packed_linear_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -122,12 +92,10 @@ def f32_libraries() -> list[str]:
 def f32_matmul_plan() -> F32MatmulPlan:
     """This machine's choice for float32 inputs past `SMALL_ROWS` rows.
     `RADIXRT_CPU_F32_MATMUL=onednn|mkl|panels` pins it; by default (`auto`) each library is
-    timed once per machine and torch build (~1 s) and the choice is kept under the kernel
-    cache (`attention.cpu_kernels.kept_plan`), so every process runs the same kernels and a
+    timed once per machine and torch build (about a second) and the choice is kept under the
+    kernel cache (`srt.kernels.build.kept_plan`), so every process runs the same kernels and a
     float32 output does not depend on which process computed it."""
-    choice = os.environ.get("RADIXRT_CPU_F32_MATMUL", "auto").lower()
-    if choice != "auto" and choice not in F32_LIBRARIES:
-        raise ValueError(f"RADIXRT_CPU_F32_MATMUL={choice!r}: expected auto, onednn, mkl or panels")
+    choice = environ.CPU_F32_MATMUL.get()  # raises for a value it does not name
     candidates = f32_libraries()
     if choice != "auto":
         if choice not in candidates:
@@ -137,7 +105,7 @@ def f32_matmul_plan() -> F32MatmulPlan:
         return F32MatmulPlan(candidates[0], {})
     # What the kernels run on: the torch build (its MKL and oneDNN), the CPU, the ISA caps,
     # and the libraries compared.
-    caps = [os.environ.get(v, "") for v in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")]
+    caps = environ.isa_caps()
     key = hashlib.sha256("\0".join([torch.__version__, cpu_flags(), *caps, *candidates]).encode())
     saved = cache_dir() / f"f32-matmul-plan-{key.hexdigest()[:16]}.json"
     plan = kept_plan(saved, F32MatmulPlan, functools.partial(_measure_f32_plan, candidates))
@@ -215,86 +183,98 @@ def mkl_linear(
     return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
 
 
-class PackableLinear(nn.Module):
-    """Base of modules whose `forward` is `x @ weight.T + bias`: `pack_for_cpu()` adds packed
-    copies that `linear()` then uses for CPU inputs of the weight's dtype: the panels up to
-    `SMALL_ROWS` rows, and above, `large_rows` (the float32 plan's library; oneDNN's copy for
-    bfloat16 unless its plan runs the panels at every row count)."""
+@dataclass(slots=True, eq=False)
+class PackedWeight:
+    """The packed copies of one CPU linear weight: the compiled kernel's panels (`panels`,
+    with `kernel`; None where the kernel cannot be built or take the dtype) run inputs up to
+    `SMALL_ROWS` rows, and `large_rows` names what runs larger ones: "panels", or "onednn" /
+    "mkl" with that library's copy in `library_weight`."""
 
-    weight: nn.Parameter
-    bias: nn.Parameter | None
-    large_rows: str | None = None  # what runs inputs past SMALL_ROWS; None: not packed
-    packed_weight: torch.Tensor | None = None  # oneDNN's (or MKL's) copy, if large_rows is
-    panel_weight: torch.Tensor | None = None  # the compiled kernel's panels
-    panel_kernel: PackedLinearKernel | None = None
+    large_rows: str
+    library_weight: torch.Tensor | None = None
+    panels: torch.Tensor | None = None
+    kernel: PackedLinearKernel | None = None
 
-    def pack_for_cpu(self) -> bool:
-        if not can_pack(self.weight):
-            return False
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> PackedWeight | None:
+        """`weight`'s packed copies, or None where oneDNN has no CPU kernel for it."""
+        if not can_pack(weight):
+            return None
         kernel = packed_linear_kernel()  # None where it cannot be built
-        if kernel is not None and kernel.accepts(self.weight):
-            self.panel_kernel = kernel
-            self.panel_weight = kernel.pack(self.weight)
+        panels = None
+        if kernel is not None and kernel.accepts(weight):
+            panels = kernel.pack(weight)
+        else:
+            kernel = None
         library = "onednn"
-        if self.weight.dtype == torch.float32:
+        if weight.dtype == torch.float32:
             library = f32_matmul_plan().library
-        if library == "panels" and self.panel_weight is None:
+        if library == "panels" and panels is None:
             library = "onednn"
+        copy = None
         if library == "mkl":
-            self.packed_weight = mkl_pack_weight(self.weight)
+            copy = mkl_pack_weight(weight)
         elif library == "onednn":
-            self.packed_weight = pack_weight(self.weight)
-        self.large_rows = library
-        return True
+            copy = pack_weight(weight)
+        return cls(library, copy, panels, kernel)
 
-    def linear(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
-        """x @ weight.T (+ bias unless `add_bias` is False: a row-parallel layer adds it once,
-        after summing the ranks' partial products)."""
-        bias = self.bias if add_bias else None
-        library = self.large_rows
-        if library is not None and not x.is_cuda and x.dtype == self.weight.dtype:
-            kernel = self.panel_kernel
-            if kernel is not None and (
-                library == "panels"
-                or x.numel() <= SMALL_ROWS * x.shape[-1]
-                or kernel.runs_all_rows(x.dtype)
-            ):
-                return kernel(x, self.panel_weight, self.weight.shape[0], bias)
-            if library == "mkl":
-                return mkl_linear(x, self.packed_weight, self.weight, bias)
-            return packed_linear(x, self.packed_weight, bias)
-        return torch.nn.functional.linear(x, self.weight, bias)
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x @ weight.T (+ bias) for a CPU input of the weight's dtype."""
+        kernel = self.kernel
+        if kernel is not None and (
+            self.large_rows == "panels"
+            or x.numel() <= SMALL_ROWS * x.shape[-1]
+            or kernel.runs_all_rows(x.dtype)
+        ):
+            return kernel(x, self.panels, weight.shape[0], bias)
+        if self.large_rows == "mkl":
+            return mkl_linear(x, self.library_weight, weight, bias)
+        return packed_linear(x, self.library_weight, bias)
+
+
+def apply_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: PackedWeight | None,
+) -> torch.Tensor:
+    """x @ weight.T (+ bias): through `packed` for CPU inputs of the weight's dtype, else
+    `F.linear` on the dense weight."""
+    if packed is not None and not x.is_cuda and x.dtype == weight.dtype:
+        return packed.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def prepack_cpu_weights(model: nn.Module) -> int:
-    """Pack every linear weight of a CPU model; returns how many were packed. The panels then
-    move into one arena (`panels_onto_huge_pages`)."""
-    modules = [m for m in model.modules() if isinstance(m, PackableLinear) and m.pack_for_cpu()]
-    logger.info("CPU weights: %d matmul weights prepacked", len(modules))
-    panels_onto_huge_pages(modules)
-    return len(modules)
+    """Pack every linear weight of a CPU model (each module with a `pack_for_cpu()`: the
+    linear layers and the LM head); returns how many were packed. The panels then move into
+    one arena (`panels_onto_huge_pages`)."""
+    packed = [m.packed for m in model.modules() if hasattr(m, "pack_for_cpu") and m.pack_for_cpu()]
+    logger.info("CPU weights: %d matmul weights prepacked", len(packed))
+    panels_onto_huge_pages(packed)
+    return len(packed)
 
 
-def panels_onto_huge_pages(modules: list[PackableLinear]) -> None:
-    """Move the modules' panel weights, back to back, into one anonymous mapping advised for
-    transparent huge pages (`MADV_HUGEPAGE`; Linux's default THP policy, `madvise`, gives
-    them to such mappings only) and starting on a 2 MiB boundary. The panels' views keep the
-    mapping alive.
+def panels_onto_huge_pages(packed: list[PackedWeight]) -> None:
+    """Move the panels, back to back, into one anonymous mapping advised for transparent huge
+    pages (`MADV_HUGEPAGE`; Linux's default THP policy, `madvise`, gives them to such mappings
+    only) and starting on a 2 MiB boundary. The panels' views keep the mapping alive.
 
     Every decode step streams all the panels, and with 4 KiB pages each page costs a TLB miss
     (a dear one in a VM, with nested page tables). One arena, not a mapping per weight: a
     mapping gets huge pages only for the whole 2 MiB-aligned ranges inside it, which a small
-    weight (SmolLM2's o_proj, 1.3 MiB) never has. Measured on a 2-core EPYC (Zen 3, a VM),
-    SmolLM2's 121 float32 matmuls from DRAM, fastest of 9 (scratch harness, two runs): 1 row
-    26.0 / 25.3 -> 23.9 / 24.1 ms, 16 rows 45.1 / 43.8 -> 43.0 / 42.0 ms; 64 rows, bound by
-    the FMAs, the same. Where the OS has no THP the advice is skipped: an ordinary mapping."""
-    owners = [m for m in modules if m.panel_weight is not None]
+    weight never has. Small-row steps gain, FMA-bound ones do not (`python -m
+    bench.bench_one_batch --batch-size 1 16 64` measures it). Where the OS has no THP the
+    advice is skipped: an ordinary mapping."""
+    owners = [p for p in packed if p.panels is not None]
     if not owners:
         return
     offsets, total = [], 0
-    for m in owners:
+    for p in owners:
         offsets.append(total)
-        total += -(-m.panel_weight.nbytes // 64) * 64  # each panel set on a cache line
+        total += -(-p.panels.nbytes // 64) * 64  # each panel set on a cache line
     mapping = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):  # a kernel built without THP
@@ -302,7 +282,7 @@ def panels_onto_huge_pages(modules: list[PackableLinear]) -> None:
     whole = torch.frombuffer(mapping, dtype=torch.uint8)
     skip = -whole.data_ptr() % HUGE_PAGE
     arena = whole[skip : skip + total]
-    for m, at in zip(owners, offsets, strict=True):
-        panel = m.panel_weight.contiguous()
+    for p, at in zip(owners, offsets, strict=True):
+        panel = p.panels.contiguous()
         moved = arena[at : at + panel.nbytes].view(panel.dtype).view(panel.shape)
-        m.panel_weight = moved.copy_(panel)
+        p.panels = moved.copy_(panel)

@@ -1,6 +1,8 @@
-"""Fused CUDA ops for the layers, from one provider chosen once, lazily, on the first CUDA call.
+"""Fused layer ops (RMSNorm, fused add + RMSNorm, SiLU-and-mul, RoPE) for the layers, on CUDA
+and on CPU.
 
-Providers, in order of preference:
+On CUDA they come from one provider chosen once, lazily, on the first CUDA call. Providers, in
+order of preference:
 
 1. `sgl-kernel`, when `import sgl_kernel` succeeds AND one tiny `rmsnorm` call on the device
    works. A wheel built against another torch fails in odd ways: an `OSError` for an
@@ -12,7 +14,7 @@ Providers, in order of preference:
    so a missing nvcc shows up here, not inside a forward).
 3. torch: the layers' own code, which is also the numerical reference.
 
-On CPU the same four ops come from `attention/cpu_kernels.py` (`layer_ops_kernel()`, C
+On CPU the same four ops come from `srt/kernels/layer_ops.py` (`layer_ops_kernel()`, C
 compiled at first use) for float32 and bfloat16. They are handed to the modules of one model
 by `enable_cpu_ops(model)` (the model runner calls it after loading, unless
 `--disable-cpu-fused-ops`), not chosen per process: a module without them runs its torch code.
@@ -199,9 +201,9 @@ def cpu_ops_for(module: CpuOpsUser, *tensors: torch.Tensor) -> Any | None:
 def enable_cpu_ops(model: torch.nn.Module) -> int:
     """Give every `CpuOpsUser` of `model` the compiled CPU layer ops; returns how many got them
     (0, with a warning from the builder, where they cannot be built)."""
-    from attention.cpu_kernels import layer_ops_kernel
+    from srt.kernels import layer_ops
 
-    ops = layer_ops_kernel()
+    ops = layer_ops.layer_ops_kernel()
     users = [m for m in model.modules() if isinstance(m, CpuOpsUser)]
     for module in users:
         module.cpu_ops = ops

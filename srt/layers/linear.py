@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from srt.distributed import HeadLayout, TPGroup, balanced_range
-from srt.layers.cpu_packed import PackableLinear
+from srt.layers.cpu_packed import PackedWeight, apply_linear
 from srt.layers.weight_utils import (
     TakeFn,
     copy_into_shard,
@@ -56,9 +56,9 @@ def _take_rows(full_offsets: list[int], rows: list[tuple[int, int]]) -> TakeFn:
     return take
 
 
-class LinearBase(PackableLinear):
-    """y = x @ W.T + b with W [output_size, input_size], this rank's sizes (a oneDNN-packed
-    copy of W on CPU, once `pack_for_cpu` ran: see `srt/layers/cpu_packed.py`)."""
+class LinearBase(nn.Module):
+    """y = x @ W.T + b with W [output_size, input_size], this rank's sizes. On CPU,
+    `pack_for_cpu` keeps packed copies of W in `packed` (see `srt/layers/cpu_packed.py`)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -66,8 +66,19 @@ class LinearBase(PackableLinear):
         self.output_size = output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
         self.bias = nn.Parameter(torch.zeros(output_size)) if bias else None
+        self.packed: PackedWeight | None = None
         for param in self._params():
             set_weight_loader(param, self.weight_loader)
+
+    def pack_for_cpu(self) -> bool:
+        """Pack the weight for the CPU matmuls; False where it cannot be packed."""
+        self.packed = PackedWeight.pack(self.weight)
+        return self.packed is not None
+
+    def linear(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """x @ weight.T (+ bias unless `add_bias` is False: a row-parallel layer adds it once,
+        after summing the ranks' partial products)."""
+        return apply_linear(x, self.weight, self.bias if add_bias else None, self.packed)
 
     def _params(self) -> list[nn.Parameter]:
         return [self.weight] if self.bias is None else [self.weight, self.bias]

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from srt.distributed import TPGroup, VocabLayout, vocab_layout
-from srt.layers.cpu_packed import PackableLinear
+from srt.layers.cpu_packed import PackedWeight, apply_linear
 from srt.layers.weight_utils import default_weight_loader, set_tp_take, set_weight_loader
 
 
@@ -63,15 +63,14 @@ class VocabEmbedding(nn.Module):
 
 # Logits of at most this many rows (a decode batch's requests, an extend batch's last tokens)
 # run `LMHead.argmax_logits` through the screen; at more rows the float32 LM head is no longer
-# bound by reading its weight (2-core Xeon, SmolLM2-135M's [49152, 576] head, weights from
-# DRAM: float32 panels / screen, ms, 1 row 2.6 / 1.4, 8 rows 3.3 / 2.2, 16 rows 4.1 / 3.4, 32
-# rows 6.4 / 6.8, 64 rows 11.3 / 12.9).
+# bound by reading its weight, and the screen stops paying for itself (`python -m
+# bench.bench_one_batch --dtype float32 --batch-size 1 8 16 32 64` measures the crossover).
 SCREEN_ROWS = 16
 # Past this many candidate columns in a row the screen gives up and the full head runs.
 SCREEN_MAX_CANDIDATES = 1024
 
 
-class LMHead(PackableLinear):
+class LMHead(nn.Module):
     """The output projection [vocab, hidden] (this rank's vocabulary rows): `forward(hidden)`
     -> logits in the model dtype. `LogitsProcessor` picks the rows and applies it.
 
@@ -79,11 +78,8 @@ class LMHead(PackableLinear):
     bfloat16 copy of its weight and the weight's row norms (`pack_for_cpu`): when the logits
     feed only an argmax, `argmax_logits` reads that copy (half the bytes) and recomputes in
     float32 only the columns that can still be a row's maximum (the bound and the proof:
-    `greedy_screen_logits` in attention/csrc/packed_linear.c). Greedy ids are those of the
-    float32 head, bit for bit; the cost is the copy (57 MB for SmolLM2-135M)."""
-
-    # The screen's bf16 panels of the weight and the weight's row norms, or None.
-    screen: tuple[torch.Tensor, torch.Tensor] | None = None
+    `greedy_screen_logits` in srt/kernels/csrc/packed_linear.c). Greedy ids are those of the
+    float32 head, bit for bit; the cost is the copy (half the float32 head's bytes)."""
 
     def __init__(
         self,
@@ -94,6 +90,9 @@ class LMHead(PackableLinear):
     ) -> None:
         super().__init__()
         self.tp = tp or TPGroup.single()
+        self.packed: PackedWeight | None = None  # the CPU matmuls' copies (`pack_for_cpu`)
+        # The screen's bf16 panels of the weight and the weight's row norms, or None.
+        self.screen: tuple[torch.Tensor, torch.Tensor] | None = None
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.layout = vocab_layout(vocab_size, self.tp.size, self.tp.rank)
@@ -114,12 +113,18 @@ class LMHead(PackableLinear):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.linear(hidden_states)
 
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        return apply_linear(x, self.weight, self.bias, self.packed)
+
     def pack_for_cpu(self) -> bool:
-        packed = super().pack_for_cpu()
-        kernel = self.panel_kernel
+        """Pack the weight for the CPU matmuls (and the greedy screen's copy, where it can
+        run); False where it cannot be packed."""
+        self.packed = PackedWeight.pack(self.weight)
+        if self.packed is None:
+            return False
+        kernel = self.packed.kernel
         if (
-            packed
-            and kernel is not None
+            kernel is not None
             and kernel.screens_greedy
             and self.weight.dtype == torch.float32
             and self.bias is None
@@ -128,12 +133,12 @@ class LMHead(PackableLinear):
         ):
             weight = self.weight.detach()
             self.screen = (kernel.pack(weight.bfloat16()), weight.double().norm(dim=1).float())
-        return packed
+        return True
 
     def argmax_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits whose every row has its maximum where `forward` has it (the same value, at
         the same columns); elsewhere they may be estimates. For greedy sampling only."""
-        kernel = self.panel_kernel
+        kernel = None if self.packed is None else self.packed.kernel
         if (
             kernel is not None
             and self.screen is not None

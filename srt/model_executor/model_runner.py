@@ -5,7 +5,7 @@ On CPU the matmul weights are prepacked (panels, and oneDNN or MKL) right after 
 (`srt/layers/cpu_packed.py`; `--disable-cpu-weight-prepack` turns it off), and the norms, the
 gated activation and RoPE get the compiled CPU layer ops (`fused_kernels.enable_cpu_ops`;
 `--disable-cpu-fused-ops` turns it off); with both, a Llama-family model's decode
-steps run one compiled call per decoder layer (`srt/layers/cpu_decode_layer.py`;
+steps run one compiled call per decoder layer (`cpu_decode_layer_runner.py`;
 `--disable-cpu-fused-decode` turns that off).
 
 Construction order matters on a GPU: the weights load, then the attention backend (its
@@ -37,9 +37,9 @@ from mem_cache.allocator import TokenToKVPoolAllocator
 from mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from srt.configs.model_config import ModelConfig
 from srt.distributed import TPGroup, head_layout
-from srt.layers.cpu_decode_layer import enable_fused_decode
 from srt.layers.cpu_packed import prepack_cpu_weights
 from srt.layers.fused_kernels import enable_cpu_ops
+from srt.model_executor.cpu_decode_layer_runner import enable_fused_decode
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner
 from srt.model_executor.forward_batch import ForwardBatch
 from srt.model_executor.memory_sizing import (

@@ -34,7 +34,7 @@ from srt.layers.vocab_embedding import LMHead, VocabEmbedding
 from srt.layers.weight_utils import get_weight_loader
 
 if TYPE_CHECKING:
-    from srt.layers.cpu_decode_layer import FusedDecode
+    from srt.model_executor.cpu_decode_layer_runner import FusedDecode
     from srt.model_executor.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
@@ -222,7 +222,7 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # Set by srt.layers.cpu_decode_layer.enable_fused_decode (CPU, every layer qualifies).
+        # Set by `cpu_decode_layer_runner.enable_fused_decode` (CPU, every layer qualifies).
         self.fused_decode: FusedDecode | None = None
 
     def forward(

@@ -4,19 +4,22 @@ torch_native."""
 from __future__ import annotations
 
 import logging
+import shutil
 
 import pytest
 import torch
 
-from attention import cpu_backend, cpu_kernels, create_attention_backend
+from attention import cpu_backend, create_attention_backend
 from attention.cpu_backend import CpuAttnBackend
 from attention.registry import resolve_attention_backend
 from attention.torch_native_backend import TorchNativeAttnBackend
+from srt.kernels import attention as kernels
+from srt.kernels import build
 from srt.model_executor.forward_batch import ForwardMode
 from tests.attention.test_torch_native_backend import TOL, Harness, reference_attention
 
-KERNEL = cpu_kernels.paged_decode_kernel()
-EXTEND_KERNEL = cpu_kernels.paged_extend_kernel()
+KERNEL = kernels.paged_decode_kernel()
+EXTEND_KERNEL = kernels.paged_extend_kernel()
 needs_kernel = pytest.mark.skipif(
     KERNEL is None or EXTEND_KERNEL is None, reason="no C compiler: the kernels cannot build"
 )
@@ -99,7 +102,7 @@ def test_decode_over_shared_prefix_slots(dtype, num_heads, num_kv_heads, head_di
         dtype, num_heads, num_kv_heads, head_dim, tails, prefixes
     )
     scale = head_dim**-0.5
-    shared = cpu_kernels.shared_prefixes(r2t, pool_rows, seq_lens, min_tokens=1)
+    shared = kernels.shared_prefixes(r2t, pool_rows, seq_lens, min_tokens=1)
     # Found: the three groups, each member's common prefix; the last token of the shortest
     # member (300 group slots and nothing of its own) stays out of its group's prefix.
     assert shared.leaders.tolist() == [0, 1, 0, 3, 4, 1, 3, 0, 8]
@@ -129,7 +132,7 @@ def test_decode_shared_group_of_many_members(dtype, num_heads, num_kv_heads, hea
         dtype, num_heads, num_kv_heads, head_dim, tails, prefixes
     )
     scale = head_dim**-0.5
-    shared = cpu_kernels.shared_prefixes(r2t, pool_rows, seq_lens)
+    shared = kernels.shared_prefixes(r2t, pool_rows, seq_lens)
     assert shared.groups == 2 and shared.lens.tolist() == [270] * 25 + [70] * 2
     out = KERNEL(q, k_cache, v_cache, r2t, pool_rows, seq_lens, num_heads, scale, shared)
     for b, row in enumerate(rows):
@@ -147,11 +150,11 @@ def test_shared_prefixes_planner_thresholds():
     q, k_cache, v_cache, r2t, pool_rows, seq_lens, _ = shared_prefix_batch(
         torch.float32, 9, 3, 64, [50, 7, 9, 9, 200], prefixes
     )
-    shared = cpu_kernels.shared_prefixes(r2t, pool_rows, seq_lens)  # default: 64 tokens
+    shared = kernels.shared_prefixes(r2t, pool_rows, seq_lens)  # default: 64 tokens
     assert shared.lens.tolist() == [100, 100, 0, 0, 0]
     assert shared.leaders.tolist() == [0, 0, 2, 3, 4]
-    assert cpu_kernels.shared_prefixes(r2t, pool_rows[2:], seq_lens[2:]) is None
-    assert cpu_kernels.shared_prefixes(r2t, pool_rows[:1], seq_lens[:1]) is None
+    assert kernels.shared_prefixes(r2t, pool_rows[2:], seq_lens[2:]) is None
+    assert kernels.shared_prefixes(r2t, pool_rows[:1], seq_lens[:1]) is None
     out = KERNEL(q, k_cache, v_cache, r2t, pool_rows, seq_lens, 9, 0.125, shared)
     plain = KERNEL(q, k_cache, v_cache, r2t, pool_rows, seq_lens, 9, 0.125)
     torch.testing.assert_close(out, plain, atol=1e-5, rtol=1e-5)
@@ -165,7 +168,7 @@ def test_decode_step_plans_shared_prefixes_once(monkeypatch):
     plans = []
 
     def recording(*args, **kwargs):  # a spy around the real planner
-        plans.append(cpu_kernels.shared_prefixes(*args, **kwargs))
+        plans.append(kernels.shared_prefixes(*args, **kwargs))
         return plans[-1]
 
     monkeypatch.setattr(cpu_backend, "shared_prefixes", recording)
@@ -232,11 +235,11 @@ def test_build_failure_falls_back(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("RADIXRT_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "/nonexistent/cc")
     monkeypatch.setenv("PATH", str(tmp_path))  # neither gcc nor cc on PATH
-    loaders = (cpu_kernels.paged_decode_kernel, cpu_kernels.paged_extend_kernel)
+    loaders = (kernels.paged_decode_kernel, kernels.paged_extend_kernel)
     for load in loaders:
         load.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="attention.cpu_kernels"):
+        with caplog.at_level(logging.WARNING, logger="srt.kernels.build"):
             assert all(load() is None for load in loaders)
         assert "no C compiler" in caplog.text
         h = cpu_harness(9, 3, torch.float32)
@@ -253,12 +256,26 @@ def test_build_failure_falls_back(monkeypatch, tmp_path, caplog):
 def test_build_is_cached_by_content(monkeypatch, tmp_path):
     """A fresh cache builds once; a second build returns the same file without compiling."""
     monkeypatch.setenv("RADIXRT_CACHE_DIR", str(tmp_path))
-    first = cpu_kernels.build_library("paged_extend.c")  # the quickest source to compile
+    first = build.build_library("paged_extend.c")  # the quickest source to compile
     assert first.parent == tmp_path / "kernels" and first.exists()
     mtime = first.stat().st_mtime_ns
-    assert cpu_kernels.build_library("paged_extend.c") == first
+    assert build.build_library("paged_extend.c") == first
     assert first.stat().st_mtime_ns == mtime
     assert list((tmp_path / "kernels").iterdir()) == [first]  # no temporary left behind
+
+
+@needs_kernel
+def test_build_key_covers_every_source_and_header(monkeypatch, tmp_path):
+    """Editing any csrc/ file, even a header the built source does not include, builds anew."""
+    monkeypatch.setenv("RADIXRT_CACHE_DIR", str(tmp_path / "cache"))
+    csrc = tmp_path / "csrc"
+    shutil.copytree(build.CSRC, csrc)
+    monkeypatch.setattr(build, "CSRC", csrc)
+    first = build.build_library("paged_extend.c")
+    with open(csrc / "panels.h", "a") as header:
+        header.write("/* edited */\n")
+    second = build.build_library("paged_extend.c")
+    assert second != first and first.exists() and second.exists()
 
 
 def test_auto_picks_cpu_on_cpu():

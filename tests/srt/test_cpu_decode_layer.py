@@ -1,4 +1,4 @@
-"""The fused CPU decode layer (srt/layers/cpu_decode_layer.py, attention/csrc/decode_layer.c)
+"""The fused CPU decode layer (cpu_decode_layer_runner.py, srt/kernels/csrc/decode_layer.c)
 against the modules it replaces, which run the same kernels one call at a time: equal logits
 and equal KV pools, bit for bit; and against HF's logits."""
 
@@ -9,9 +9,10 @@ import torch
 from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
 from attention.cpu_backend import CpuAttnBackend
-from attention.cpu_kernels import decode_layer_kernel, packed_linear_kernel
-from srt.layers.cpu_decode_layer import FusedDecode, enable_fused_decode
+from srt.kernels.decode_layer import decode_layer_kernel
+from srt.kernels.linear import packed_linear_kernel
 from srt.layers.cpu_packed import SMALL_ROWS, prepack_cpu_weights
+from srt.model_executor.cpu_decode_layer_runner import FusedDecode, enable_fused_decode
 from tests.srt.forward_helpers import ForwardBatchBuilder
 from tests.srt.test_models import build_pair, hf_logits
 
@@ -168,9 +169,9 @@ def test_models_it_cannot_run_keep_the_modules(case, caplog):
     _, ours = build_pair(config, dtype, layer_ops="cpu")
     prepack_cpu_weights(ours)
     if case == "no_panels":
-        ours.model.layers[1].mlp.down_proj.panel_weight = None
+        ours.model.layers[1].mlp.down_proj.packed.panels = None
     why = {"qk_norm": "q/k norm", "no_panels": "no packed", "float16": "torch.float16"}[case]
-    with caplog.at_level("INFO", logger="srt.layers.cpu_decode_layer"):
+    with caplog.at_level("INFO", logger="srt.model_executor.cpu_decode_layer_runner"):
         assert enable_fused_decode(ours) is None
     assert ours.model.fused_decode is None
     assert why in caplog.text

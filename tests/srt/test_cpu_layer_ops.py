@@ -1,4 +1,4 @@
-"""The compiled CPU layer ops (attention/csrc/layer_ops.c) against the layers' torch code, and
+"""The compiled CPU layer ops (srt/kernels/csrc/layer_ops.c) against the layers' torch code, and
 how the modules of a model get them (`fused_kernels.enable_cpu_ops`)."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attention import cpu_kernels
+from srt.kernels import layer_ops
 from srt.layers import fused_kernels
 from srt.layers.activation import SiluAndMul
 from srt.layers.layernorm import RMSNorm, rms_norm_native
 from srt.layers.rotary_embedding import get_rope
 
-OPS = cpu_kernels.layer_ops_kernel()
+OPS = layer_ops.layer_ops_kernel()
 pytestmark = pytest.mark.skipif(OPS is None, reason="no C compiler: the layer ops cannot build")
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -138,7 +138,7 @@ def test_modules_use_the_ops_only_once_given_them(monkeypatch):
                 return attr
             return lambda *a, **kw: (calls.append(name), attr(*a, **kw))[1]
 
-    monkeypatch.setattr(cpu_kernels, "layer_ops_kernel", lambda: CountingOps())
+    monkeypatch.setattr(layer_ops, "layer_ops_kernel", lambda: CountingOps())
     x, res = torch.randn(5, 64), torch.randn(5, 64)
     h = torch.randn(5, 128)
     torch_out = (model["norm"](x, res), model["act"](h))
@@ -155,17 +155,17 @@ def test_no_compiler_leaves_the_torch_code(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("RADIXRT_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "/nonexistent/cc")
     monkeypatch.setenv("PATH", str(tmp_path))
-    cpu_kernels.layer_ops_kernel.cache_clear()
+    layer_ops.layer_ops_kernel.cache_clear()
     try:
         norm = RMSNorm(64)
-        with caplog.at_level(logging.WARNING, logger="attention.cpu_kernels"):
+        with caplog.at_level(logging.WARNING, logger="srt.kernels.build"):
             assert fused_kernels.enable_cpu_ops(norm) == 0
         assert "no C compiler" in caplog.text
         assert norm.cpu_ops is None
         x = torch.randn(2, 64)
         torch.testing.assert_close(norm(x), rms_norm_native(x, norm.weight, 1e-6))
     finally:
-        cpu_kernels.layer_ops_kernel.cache_clear()
+        layer_ops.layer_ops_kernel.cache_clear()
 
 
 @pytest.mark.parametrize("rows", [3, 40])  # 40 x 49152: the OpenMP path
@@ -194,7 +194,7 @@ def test_greedy_sampler_uses_the_kernel_on_cpu(monkeypatch):
             calls.append(tuple(x.shape))
             return OPS.argmax(x)
 
-    monkeypatch.setattr(cpu_kernels, "layer_ops_kernel", SpyOps)
+    monkeypatch.setattr(layer_ops, "layer_ops_kernel", SpyOps)
     logits = torch.randn(4, 1000)
     assert torch.equal(sampler.greedy_ids(logits), logits.argmax(dim=-1))
     assert calls == [(4, 1000)]

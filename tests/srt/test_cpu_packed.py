@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attention import cpu_kernels
-from attention.cpu_kernels import NEVER, Bf16MatmulPlan, packed_linear_kernel
+from srt.kernels import linear as kernels
+from srt.kernels.linear import NEVER, Bf16MatmulPlan, packed_linear_kernel
 from srt.layers import cpu_packed
 from srt.layers.cpu_packed import (
     SMALL_ROWS,
@@ -61,7 +61,7 @@ def test_packed_linear_matches_f_linear(dtype: torch.dtype, rows: int) -> None:
     layer = initialised(ReplicatedLinear(48, 80, bias=True)).to(dtype)
     x = torch.randn(rows, 48).to(dtype)
     expected = F.linear(x.float(), layer.weight.float(), layer.bias.float())
-    assert layer.pack_for_cpu() and layer.large_rows is not None
+    assert layer.pack_for_cpu() and layer.packed is not None
     got = layer(x)
     assert got.dtype == dtype and got.shape == (rows, 80)
     torch.testing.assert_close(got.float(), expected, atol=TOL[dtype], rtol=TOL[dtype])
@@ -81,8 +81,8 @@ def test_large_float32_inputs_take_the_planned_library(f32_plan: str, monkeypatc
     if KERNEL is None:
         pytest.skip("no C compiler: the panel kernel cannot build")
     layer = initialised(ReplicatedLinear(48, 80, bias=True))
-    assert layer.pack_for_cpu() and layer.large_rows == f32_plan
-    assert (layer.packed_weight is None) == (f32_plan == "panels")
+    assert layer.pack_for_cpu() and layer.packed.large_rows == f32_plan
+    assert (layer.packed.library_weight is None) == (f32_plan == "panels")
     calls: list[str] = []
     for name in ("mkl_linear", "packed_linear"):  # spies around the real functions
         real = getattr(cpu_packed, name)
@@ -90,7 +90,7 @@ def test_large_float32_inputs_take_the_planned_library(f32_plan: str, monkeypatc
             cpu_packed, name, lambda *a, name=name, real=real: calls.append(name) or real(*a)
         )
     panel_rows: list[int] = []
-    layer.panel_kernel = CountingKernel(layer.panel_kernel, panel_rows)
+    layer.packed.kernel = CountingKernel(layer.packed.kernel, panel_rows)
     layer(torch.randn(SMALL_ROWS, 48))
     assert calls == [] and panel_rows == [SMALL_ROWS]
     layer(torch.randn(SMALL_ROWS + 1, 48))
@@ -134,7 +134,7 @@ def test_f32_plan_is_measured_once_and_kept(tmp_path, monkeypatch) -> None:
             assert f32_matmul_plan() == F32MatmulPlan(value, {})
         monkeypatch.setenv("RADIXRT_CPU_F32_MATMUL", "fast")
         f32_matmul_plan.cache_clear()
-        with pytest.raises(ValueError, match="auto, onednn, mkl or panels"):
+        with pytest.raises(ValueError, match="auto, onednn, mkl, panels"):
             f32_matmul_plan()
     finally:
         f32_matmul_plan.cache_clear()
@@ -144,7 +144,7 @@ def test_unpackable_dtypes_keep_f_linear() -> None:
     layer = initialised(ReplicatedLinear(16, 8)).to(torch.float16)
     if can_pack(layer.weight):
         pytest.skip("this CPU's oneDNN runs float16")
-    assert not layer.pack_for_cpu() and layer.large_rows is None
+    assert not layer.pack_for_cpu() and layer.packed is None
     x = torch.randn(4, 16).to(torch.float16)
     assert torch.equal(layer(x), F.linear(x, layer.weight))
 
@@ -182,7 +182,7 @@ def test_model_runner_prepacks_unless_disabled(tmp_path, disable: bool) -> None:
         disable_cpu_weight_prepack=disable,
     )
     model = ModelWorker(args).model_runner.model
-    packed = [m.large_rows is not None for m in model.modules() if hasattr(m, "pack_for_cpu")]
+    packed = [m.packed is not None for m in model.modules() if hasattr(m, "pack_for_cpu")]
     assert packed and all(p != disable for p in packed)
 
 
@@ -289,7 +289,7 @@ def test_large_bf16_inputs_take_the_panels_when_the_plan_says(plan, panel_rows) 
     layer = initialised(ReplicatedLinear(64, 80, bias=False)).to(torch.bfloat16)
     assert layer.pack_for_cpu()
     calls: list[int] = []
-    layer.panel_kernel = CountingKernel(layer.panel_kernel, calls)
+    layer.packed.kernel = CountingKernel(layer.packed.kernel, calls)
     with plan_in_use(plan):
         for rows in (1, cpu_packed.SMALL_ROWS, cpu_packed.SMALL_ROWS + 1):
             x = torch.randn(rows, 64).to(torch.bfloat16)
@@ -304,20 +304,20 @@ def test_bf16_plan_is_measured_once_and_kept(tmp_path, monkeypatch) -> None:
     next call) reads it back instead of measuring; `dot` / `widen` pin it; other values fail."""
     monkeypatch.setenv("RADIXRT_CPU_BF16_MATMUL", "auto")
     library = tmp_path / "packed_linear-test.so"
-    measured = cpu_kernels.bf16_matmul_plan(KERNEL, library)
+    measured = kernels.bf16_matmul_plan(KERNEL, library)
     saved = tmp_path / "packed_linear-test.so.bf16-plan.json"
     assert json.loads(saved.read_text())["widen_from"] == measured.widen_from
-    assert measured.widen_from in (*cpu_kernels._PLAN_ROWS, NEVER)
+    assert measured.widen_from in (*kernels._PLAN_ROWS, NEVER)
     assert {"dot_64", "widen_64", "widen_256"} <= measured.timings_ms.keys()
     saved.write_text(json.dumps({"widen_from": 3, "all_rows": False, "timings_ms": {}}))
-    assert cpu_kernels.bf16_matmul_plan(KERNEL, library) == Bf16MatmulPlan(3, False, {})
+    assert kernels.bf16_matmul_plan(KERNEL, library) == Bf16MatmulPlan(3, False, {})
     monkeypatch.setenv("RADIXRT_CPU_BF16_MATMUL", "dot")
-    assert cpu_kernels.bf16_matmul_plan(KERNEL, library) == DOT
+    assert kernels.bf16_matmul_plan(KERNEL, library) == DOT
     monkeypatch.setenv("RADIXRT_CPU_BF16_MATMUL", "widen")
-    assert cpu_kernels.bf16_matmul_plan(KERNEL, library) == WIDEN
+    assert kernels.bf16_matmul_plan(KERNEL, library) == WIDEN
     monkeypatch.setenv("RADIXRT_CPU_BF16_MATMUL", "fast")
-    with pytest.raises(ValueError, match="auto, dot or widen"):
-        cpu_kernels.bf16_matmul_plan(KERNEL, library)
+    with pytest.raises(ValueError, match="auto, dot, widen"):
+        kernels.bf16_matmul_plan(KERNEL, library)
 
 
 @needs_bf16_kernel
@@ -374,10 +374,9 @@ def test_panels_move_into_one_huge_page_arena() -> None:
     initialised(model)
     hidden = torch.randn(3, 32)
     before = {name: layer.linear(hidden) for name, layer in model.items()}
-    plain = {name: layer.panel_weight for name, layer in model.items()}
-    assert all(panel is None for panel in plain.values())
+    assert all(layer.packed is None for layer in model.values())
     prepack_cpu_weights(model)
-    panels = [layer.panel_weight for layer in model.values()]
+    panels = [layer.packed.panels for layer in model.values()]
     assert all(panel is not None for panel in panels)
     start = panels[0].data_ptr()
     assert start % cpu_packed.HUGE_PAGE == 0

@@ -1,5 +1,5 @@
 """Greedy logits through a bfloat16 copy of a float32 LM head (`LMHead.argmax_logits`,
-`greedy_screen_logits` in attention/csrc/packed_linear.c): every row's maximum, and the
+`greedy_screen_logits` in srt/kernels/csrc/packed_linear.c): every row's maximum, and the
 columns holding it, are those of the float32 panels bit for bit, near-ties that bfloat16
 cannot tell apart included; the engine's greedy tokens do not change; and batches whose
 logits feed more than an argmax (logprobs, penalties, logit_bias, sampling) never take it."""
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from attention.cpu_kernels import packed_linear_kernel
 from managers.inprocess import InProcessDriver
+from srt.kernels.linear import packed_linear_kernel
 from srt.layers import vocab_embedding
 from srt.layers.cpu_packed import prepack_cpu_weights
 from srt.layers.vocab_embedding import SCREEN_ROWS, LMHead

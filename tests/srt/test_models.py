@@ -14,7 +14,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from attention.cpu_kernels import layer_ops_kernel
+from srt.kernels.layer_ops import layer_ops_kernel
 from srt.layers import fused_kernels
 from srt.layers.layernorm import RMSNorm
 from srt.layers.rotary_embedding import get_rope, rope_settings_from_config

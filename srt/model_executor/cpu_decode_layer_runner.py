@@ -2,11 +2,12 @@
 
 A decode step runs each layer's RMSNorm, QKV matmul, RoPE, KV write, paged attention, o
 matmul, residual add + RMSNorm, gate-up matmul, SiLU-and-mul and down matmul through compiled
-kernels already (`attention/csrc/`), but one Python module and one ctypes call at a time: on
-SmolLM2-135M that Python (module calls, tensor allocation, argument checks, marshalling) is
-~9 ms of a 30 ms batch-1 step. `attention/csrc/decode_layer.c` runs the same kernels in the
-same order for a whole layer in one call, so its output equals the modules' bit for bit
-(`tests/srt/test_cpu_decode_layer.py`).
+kernels already (`srt/kernels/`), but one Python module and one ctypes call at a time, and
+that Python (module calls, tensor allocation, argument checks, marshalling) is a large part
+of a small model's step. `srt/kernels/csrc/decode_layer.c` runs the same kernels in the same
+order for a whole layer in one call, so its output equals the modules' bit for bit
+(`tests/srt/test_cpu_decode_layer.py`); `python -m bench.bench_one_batch` with and without
+`--disable-cpu-fused-decode` measures what it saves.
 
 `enable_fused_decode(model)` (called by ModelRunner after the weights are packed and the CPU
 layer ops enabled) attaches a `FusedDecode` to a model whose every layer qualifies: float32
@@ -14,8 +15,7 @@ weights, or bfloat16 where the CPU has AVX512_BF16 (the packed panels exist), th
 layer ops, no q/k norm (Qwen3), one TP rank. `FusedDecode.run` then takes the decode batches
 it can (the cpu attention backend's decode kernel, a pool of the weights' dtype, at most
 `SMALL_ROWS` requests, the panels' row limit) and returns None for every other batch, which
-runs through the modules. `--disable-cpu-fused-decode` turns it
-off.
+runs through the modules. `--disable-cpu-fused-decode` turns it off.
 """
 
 from __future__ import annotations
@@ -26,7 +26,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from attention.cpu_kernels import SharedPrefixes, decode_layer_kernel
+from srt.kernels.attention import SharedPrefixes
+from srt.kernels.decode_layer import (
+    DecodeLayerArgs,
+    DecodeStepArgs,
+    decode_layer_error,
+    decode_layer_kernel,
+)
 from srt.layers.cpu_packed import SMALL_ROWS
 
 if TYPE_CHECKING:
@@ -34,33 +40,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_P, _F, _I64, _I32 = ctypes.c_void_p, ctypes.c_float, ctypes.c_int64, ctypes.c_int32
 _DTYPES = (torch.float32, torch.bfloat16)
-
-
-class DecodeLayerArgs(ctypes.Structure):
-    """`DecodeLayer` of decode_layer.c: one layer's weights, shapes and K/V buffers."""
-
-    _fields_ = [
-        ("input_norm", _P), ("post_norm", _P), ("input_eps", _F), ("post_eps", _F),
-        ("qkv", _P), ("qkv_bias", _P), ("o", _P), ("o_bias", _P),
-        ("gate_up", _P), ("gate_up_bias", _P), ("down", _P), ("down_bias", _P),
-        ("hidden", _I64), ("inter", _I64), ("q_heads", _I64), ("kv_heads", _I64),
-        ("head_dim", _I64), ("cos_sin", _P), ("max_position", _I64), ("rot", _I64),
-        ("neox", _I32), ("scale", _F), ("k_cache", _P), ("v_cache", _P), ("slot_stride", _I64),
-        ("bf16", _I32),
-    ]  # fmt: skip
-
-
-class DecodeStepArgs(ctypes.Structure):
-    """`DecodeStep` of decode_layer.c: one step's batch and scratch buffers."""
-
-    _fields_ = [
-        ("rows", _I64), ("positions", _P), ("out_cache_loc", _P), ("req_to_token", _P),
-        ("r2t_stride", _I64), ("pool_rows", _P), ("seq_lens", _P), ("leaders", _P),
-        ("shared_lens", _P), ("normed", _P), ("qkv", _P), ("o", _P), ("gate_up", _P),
-        ("act", _P), ("attn_act", _P), ("q", _P), ("attn", _P), ("threads", _I32),
-    ]  # fmt: skip
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -78,7 +58,7 @@ def _qualifies(layer: Any) -> str | None:
     dtype = attn.qkv_proj.weight.dtype
     if dtype not in _DTYPES or any(m.weight.dtype != dtype for m in linears):
         return f"{dtype} weights"
-    if any(m.panel_weight is None for m in linears):
+    if any(m.packed is None or m.packed.panels is None for m in linears):
         return f"no packed {dtype} panels (bfloat16 needs AVX512_BF16)"
     ops_users = (layer.input_layernorm, layer.post_attention_layernorm, attn.rotary_emb, mlp.act_fn)
     if any(m.cpu_ops is None for m in ops_users):
@@ -112,13 +92,13 @@ class FusedDecode:
                     _ptr(layer.post_attention_layernorm.weight),
                     layer.input_layernorm.variance_epsilon,
                     layer.post_attention_layernorm.variance_epsilon,
-                    _ptr(attn.qkv_proj.panel_weight),
+                    _ptr(attn.qkv_proj.packed.panels),
                     _ptr(attn.qkv_proj.bias),
-                    _ptr(attn.o_proj.panel_weight),
+                    _ptr(attn.o_proj.packed.panels),
                     _ptr(attn.o_proj.bias),
-                    _ptr(mlp.gate_up_proj.panel_weight),
+                    _ptr(mlp.gate_up_proj.packed.panels),
                     _ptr(mlp.gate_up_proj.bias),
-                    _ptr(mlp.down_proj.panel_weight),
+                    _ptr(mlp.down_proj.packed.panels),
                     _ptr(mlp.down_proj.bias),
                     mlp.down_proj.weight.shape[0],
                     mlp.down_proj.weight.shape[1],
@@ -209,21 +189,12 @@ class FusedDecode:
                 ctypes.addressof(args), ctypes.addressof(step), _ptr(x), _ptr(residual), _ptr(out)
             )
             if status != 0:
-                raise _error(status, i)
+                raise decode_layer_error(status, i)
             if residual is None:
                 residual = x
             x = out
         assert residual is not None
         return x, residual
-
-
-def _error(status: int, layer: int) -> Exception:
-    if status == 1:
-        return MemoryError(f"fused decode layer {layer}: attention scratch allocation failed")
-    return IndexError(
-        f"fused decode layer {layer}: a position outside the RoPE cache or an attention head "
-        "shape the kernel has no case for"
-    )
 
 
 def enable_fused_decode(model: torch.nn.Module) -> FusedDecode | None:

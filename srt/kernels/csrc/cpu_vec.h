@@ -1,8 +1,8 @@
 /* Float vectors for the CPU kernels (GCC vector extensions), shared by the csrc/ sources:
  * W lanes (one AVX-512 register, or one AVX2 one), float32 and bfloat16 loads and stores, a
  * horizontal sum (of one vector, and of W vectors at once), lane selects and maxima, and e^x for
- * x <= 0. attention/cpu_kernels.py hashes this header with each
- * source, so a change here rebuilds every kernel. */
+ * x <= 0. srt/kernels/build.py hashes every header with each source, so a change here
+ * rebuilds every kernel. */
 
 #ifndef RADIXRT_CPU_VEC_H
 #define RADIXRT_CPU_VEC_H

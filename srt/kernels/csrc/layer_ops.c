@@ -2,7 +2,7 @@
  * residual add before it fused in), SiLU-and-mul and rotary embedding; and the greedy
  * sampler's row argmax over the logits.
  *
- * Built at first use by attention/cpu_kernels.py and called through ctypes (the GIL is
+ * Built at first use by srt/kernels/build.py and called through ctypes (the GIL is
  * released); the model's modules reach them through srt/layers/fused_kernels.py. OpenMP
  * splits the rows over the threads torch uses; small inputs (a decode step) run on the
  * calling thread, where a fork would cost more than the work.

@@ -1,12 +1,13 @@
 /* One decoder layer of a CPU decode step (Llama family, float32 or bfloat16) in one call.
  *
- * Built at first use by attention/cpu_kernels.py and called through ctypes by
- * srt/layers/cpu_decode_layer.py, once per layer and step. The same kernels the layer's
+ * Built at first use by srt/kernels/build.py and called through ctypes by
+ * srt/model_executor/cpu_decode_layer_runner.py, once per layer and step (its C structures
+ * are mirrored in srt/kernels/decode_layer.py). The same kernels the layer's
  * modules call one by one (layer_ops.c, packed_linear.c, paged_decode.c, included below as one
  * translation unit) run here in the same order on the same inputs, so the output is the
  * modules' output bit for bit; what goes away is the Python between them (module calls,
- * tensor allocation, argument checks and ctypes marshalling: ~9 ms of a 30 ms batch-1 step for
- * SmolLM2-135M's 30 layers).
+ * tensor allocation, argument checks and ctypes marshalling: a large part of a small model's
+ * batch-1 step).
  *
  * The layer: residual += x (first layer: residual = x), h = rmsnorm(residual); qkv = h Wqkv;
  * RoPE on q and k; the new K and V written to the pool at out_cache_loc; paged decode

@@ -1,0 +1,147 @@
+"""Build, cache and load the compiled CPU kernels of `csrc/`, and keep per-machine plans.
+
+Build: `gcc -O3 -fopenmp -shared` with `-march=native`, or `-march=x86-64-v3` when
+`ATEN_CPU_CAPABILITY=avx2` caps torch to AVX2 (so a capped run measures an AVX2 machine). The
+library is cached under `cache_root()/kernels` (`RADIXRT_CACHE_DIR`, default
+`~/.cache/radixrt`), named by a hash of every csrc/ source and header, the flags, the compiler
+version and the CPU's flags, and written through a temporary file and a rename so concurrent
+processes never load a half-written file. A build takes a few seconds; later processes only
+load the file.
+
+`load` wraps a built library (ctypes) for one kernel family, or gives None where it cannot be
+built (no C compiler, a failed build, a non-x86 machine): the caller then keeps its torch
+path. ctypes releases the GIL for the call, so the overlap loop's scheduler thread runs while
+a forward is inside a kernel. The kernels' OpenMP threads come from the libgomp torch has
+already loaded (same soname), with `torch.get_num_threads()` threads.
+
+`kept_plan` keeps a measured per-machine choice (which matmul kernel runs what) in a JSON
+file under a lock, so every process on a machine runs the same kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+from srt import environ
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+T = TypeVar("T")
+P = TypeVar("P")  # a plan dataclass (`kept_plan`)
+
+
+def cache_dir() -> Path:
+    """Where built libraries and measured plans are kept."""
+    return environ.cache_root() / "kernels"
+
+
+def _march() -> str:
+    return "-march=x86-64-v3" if environ.cpu_capped_to_avx2() else "-march=native"
+
+
+def cpu_flags() -> str:
+    """The CPU's flags line from /proc/cpuinfo (else the processor name): part of every cache
+    key, so a library or plan never moves to another CPU."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_library(source: str) -> Path:
+    """Compile csrc/`source` into a cached shared library; return its path.
+
+    Raises RuntimeError naming the command and the compiler's output when the build fails.
+    """
+    compiler = shutil.which(environ.C_COMPILER.get()) or shutil.which("cc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (gcc or cc) on PATH")
+    src = CSRC / source
+    flags = ["-O3", _march(), "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-ffp-contract=fast"]
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=False
+    ).stdout
+    # Every source and header: a source may include others (decode_layer.c does).
+    sources = [f.read_text() for f in sorted(CSRC.glob("*.[ch]"))]
+    key = hashlib.sha256(
+        "\0".join([src.name, *sources, " ".join(flags), version, cpu_flags()]).encode()
+    ).hexdigest()[:16]
+    target = cache_dir() / f"{src.stem}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        cmd = [compiler, *flags, str(src), "-o", str(built), "-lm"]
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr.strip()}")
+        os.replace(built, target)
+    logger.info("Built CPU kernel %s", target)
+    return target
+
+
+def load(source: str, wrapper: Callable[[ctypes.CDLL], T], what: str) -> T | None:
+    """`wrapper` around the library built from csrc/`source`, or None (logged, with why)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        logger.info("%s: not built on %s; torch path", what, platform.machine())
+        return None
+    try:
+        return wrapper(ctypes.CDLL(str(build_library(source))))
+    except (OSError, RuntimeError) as exc:
+        logger.warning("%s unavailable, using the torch path: %s", what, exc)
+        return None
+
+
+def has_contiguous_rows(x: torch.Tensor) -> bool:
+    """A 2-D tensor whose rows are contiguous (any row stride): what the kernels read."""
+    return x.dim() == 2 and x.stride(1) == 1
+
+
+def median_ms(fn: Callable[[], object], reps: int = 7) -> float:
+    """The median wall time of `fn` over `reps` calls after one warm-up call, in ms."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[reps // 2] * 1000
+
+
+def kept_plan(saved: Path, cls: type[P], measure: Callable[[], P]) -> P:
+    """The plan saved in `saved` (JSON of a dataclass `cls`), or `measure()`'s, saved there
+    first: made once per file, under a lock beside it, so that every process on a machine
+    reads the same plan. An unreadable file is measured again and replaced."""
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    with open(saved.with_name(saved.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return cls(**json.loads(saved.read_text()))
+        except (OSError, ValueError, TypeError):
+            pass
+        plan = measure()
+        tmp = saved.with_name(saved.name + f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(dataclasses.asdict(plan)))
+        os.replace(tmp, saved)
+    return plan
