@@ -52,7 +52,8 @@ class ExtendRequestPlan:
 
 
 # Extend attention materialises [heads, block, keys] scores per query block, and each block
-# only reads the keys up to its last query: 128 rows cut W1 prefill ~8% against 512.
+# only reads the keys up to its last query: 128 rows gave a faster prefill than 512
+# (`python -m bench.bench_one_batch --attention-backend torch_native --input-len 512`).
 EXTEND_QUERY_BLOCK = 128
 
 
@@ -66,8 +67,8 @@ def gather_slots(
 ) -> torch.Tensor:
     """buffer [num_slots, Hkv, D], slots [N] -> [N, Hkv, D] (into `out` [N, Hkv*D] if given).
 
-    Gathers rows of the 2-D view: on CPU, index_select over a 3-D float32 tensor is ~8x
-    slower than over the same memory viewed as [num_slots, Hkv * D].
+    Gathers rows of the 2-D view: on CPU, index_select over a 3-D float32 tensor is several
+    times slower than over the same memory viewed as [num_slots, Hkv * D].
     """
     flat = buffer.view(buffer.shape[0], -1)
     rows = (

@@ -10,9 +10,9 @@ gather of it plus tokens that were written to both.
 
 Staged K/V are head-major (`[b, Hkv, cap, D]`, contiguous), K in float32 and V in the pool
 dtype, so attention is two batched matmuls per bucket with float32 scores and softmax, over
-the whole capacity with padding masked out by an additive bias: on a CPU that is ~1.5x
-faster than SDPA's kernel at one query per head (which reaches ~14 GB/s of K/V here, against
-~75 GB/s of memory bandwidth). Requests are sorted by length into a few buckets so padding
+the whole capacity with padding masked out by an additive bias: on a CPU that is faster
+than SDPA's kernel at one query per head, which reads K/V far below the memory bandwidth.
+Requests are sorted by length into a few buckets so padding
 wastes little; there is no per-request loop. Padding reads KV slot 0 (finite values).
 """
 
