@@ -13,8 +13,7 @@ import functools
 
 import torch
 
-from srt.kernels.build import has_contiguous_rows as _rows
-from srt.kernels.build import load
+from srt.kernels.build import has_contiguous_rows, load
 
 _LAYER_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -60,7 +59,7 @@ class LayerOpsKernel:
     ) -> None:
         rows = (x, out) if residual is None else (x, out, residual)
         assert self.accepts(weight, *rows) and weight.is_contiguous()
-        assert all(_rows(t) for t in rows)
+        assert all(has_contiguous_rows(t) for t in rows)
         self._norm(
             x.data_ptr(),
             x.stride(0),
@@ -92,7 +91,7 @@ class LayerOpsKernel:
         """x [..., 2I] = [gate | up] -> silu(gate) * up [..., I]."""
         assert self.accepts(x) and x.shape[-1] % 2 == 0
         rows = x.reshape(-1, x.shape[-1])
-        if not _rows(rows):
+        if not has_contiguous_rows(rows):
             rows = rows.contiguous()
         inter = x.shape[-1] // 2
         out = torch.empty(rows.shape[0], inter, dtype=x.dtype)
@@ -117,7 +116,7 @@ class LayerOpsKernel:
         cos_sin_cache: torch.Tensor,  # float32 [max_position, rot]: [cos | sin]
         is_neox: bool,
     ) -> None:
-        assert self.accepts(q, k) and _rows(q) and _rows(k)
+        assert self.accepts(q, k) and has_contiguous_rows(q) and has_contiguous_rows(k)
         assert q.shape[0] == k.shape[0] == positions.shape[0]
         assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous()
         positions = positions.to(torch.int64).contiguous()
@@ -146,7 +145,7 @@ class LayerOpsKernel:
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """`torch.argmax(x, dim=-1)` of a 2-D float32 CPU tensor with contiguous rows: int64
         [rows], the first index of each row's maximum (of its first NaN, if any)."""
-        assert x.device.type == "cpu" and x.dtype == torch.float32 and _rows(x)
+        assert x.device.type == "cpu" and x.dtype == torch.float32 and has_contiguous_rows(x)
         if x.shape[1] == 0:
             raise IndexError("argmax of an empty row")
         out = torch.empty(x.shape[0], dtype=torch.int64)

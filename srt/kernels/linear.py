@@ -22,8 +22,7 @@ from pathlib import Path
 import torch
 
 from srt import environ
-from srt.kernels.build import has_contiguous_rows as _rows
-from srt.kernels.build import kept_plan, load, median_ms
+from srt.kernels.build import has_contiguous_rows, kept_plan, load, median_ms
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +30,7 @@ _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
 class PackedLinearKernel:
-    """`x @ W.T (+ bias)` against a weight packed once by `pack` (see `csrc/packed_linear.c`:
+    """`x @ W.T (+ bias)` against a weight packed once by `pack` (see `csrc/panels.h`:
     panels of `panel` output columns, K rows each): float32, and bfloat16 where the CPU has
     AVX512_BF16 (K even). `accepts(weight)` says whether a weight can be packed."""
 
@@ -122,7 +121,7 @@ class PackedLinearKernel:
         k = x.shape[-1]
         assert packed.shape[1] * (packed.dim() - 2) == k  # bf16 panels hold K / 2 pairs
         rows = x.reshape(-1, k)
-        if not _rows(rows):
+        if not has_contiguous_rows(rows):
             rows = rows.contiguous()
         if bias is not None:
             assert bias.dtype == x.dtype and bias.shape == (out_features,)
@@ -166,7 +165,7 @@ class PackedLinearKernel:
         when some row had more than `max_candidates` such columns or a non-finite value."""
         assert self._screen is not None and x.dtype == weight.dtype == torch.float32
         assert weight.is_contiguous() and row_norms.dtype == torch.float32
-        rows = x if _rows(x) else x.contiguous()
+        rows = x if has_contiguous_rows(x) else x.contiguous()
         n, k = weight.shape
         out = torch.empty(rows.shape[0], n, dtype=torch.float32)
         status = self._screen(
