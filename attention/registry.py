@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from attention.base import AttentionBackend
 from srt.utils.registry import Registry, is_package_installed
 
 if TYPE_CHECKING:
     import torch
 
-    from attention.base import AttentionBackend
-
 __all__ = [
     "ATTENTION_BACKENDS",
+    "AttentionBackend",
     "available_attention_backends",
     "create_attention_backend",
     "is_package_installed",

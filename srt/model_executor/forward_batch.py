@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from attention.base import AttentionBackend
+    from attention.registry import AttentionBackend
     from mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
 

@@ -25,7 +25,7 @@ from mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
-    from attention.base import AttentionBackend
+    from attention.registry import AttentionBackend
     from srt.configs.model_config import ModelConfig
 
 CPU_DEFAULT_MEM_FRACTION = 0.3
