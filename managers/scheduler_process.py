@@ -56,6 +56,7 @@ from managers.tp_sync import (
     StepSource,
     exit_if_peer_lost,
 )
+from srt import environ
 from srt.distributed import TPGroup, TPInitError, TPSpec, init_tp_group
 from srt.server_args import ServerArgs
 from srt.utils.process import (
@@ -133,7 +134,7 @@ class SchedulerServer:
         tp = tp if tp is not None else TPGroup.single()
         self.server_args = server_args
         self.tp = tp
-        worker = ModelWorker(server_args, tp=tp)
+        worker = ModelWorker(server_args, tp=tp, hang_at_forward=environ.hang_at_forward())
         tokenizer = None
         if not server_args.skip_tokenizer_init:
             # Every rank: stop strings and grammars need it, and they must agree.
