@@ -63,6 +63,7 @@ from managers.schedule_batch import BatchLaunch, ScheduleBatch
 from managers.scheduler.deadlines import Deadlines
 from managers.scheduler.decode import DecodePlanner
 from managers.scheduler.disagg_port import Port
+from managers.scheduler.emitter import Emitter
 from managers.scheduler.intake import Intake
 from managers.scheduler.output import Output
 from managers.scheduler.prefill import PrefillPlanner
@@ -108,28 +109,27 @@ class Scheduler:
             compile_threads=server_args.grammar_compile_threads,
             limits=GrammarLimits.from_server_args(server_args),
         )
+        self.emitter = Emitter(output_sink, tokenizer, self.context_len)
+        self.decode = DecodePlanner(
+            self.queues, self.kv, self.emitter, server_args.schedule_conservativeness
+        )
+        self.deadlines = Deadlines(server_args.waiting_timeout, server_args.running_timeout, clock)
+        port = Port(self.queues, self.kv, self.emitter, self.deadlines)
+        self.disagg = create_disagg(server_args, port, worker)
         self.output = Output(
             self.queues,
             self.kv,
-            output_sink,
-            tokenizer,
-            self.context_len,
+            self.emitter,
+            self.disagg.take_finished,
             server_args.decode_log_interval,
         )
-        self.decode = DecodePlanner(
-            self.queues, self.kv, self.output, server_args.schedule_conservativeness
-        )
-        self.deadlines = Deadlines(server_args.waiting_timeout, server_args.running_timeout, clock)
         self.prefill = PrefillPlanner(
             self.queues, self.kv, self.decode, self.output, server_args, self.deadlines
         )
-        port = Port(self.queues, self.kv, self.output, self.deadlines)
-        self.disagg = create_disagg(server_args, port, worker)
-        self.output.take_finished = self.disagg.take_finished
         self.intake = Intake(
             self.queues,
             self.kv,
-            self.output,
+            self.emitter,
             self.disagg,
             server_args,
             cfg,
