@@ -154,9 +154,14 @@ class SchedulerServer:
             # The tree is the same on every rank; rank 0 alone publishes its events.
             scheduler_args = dataclasses.replace(server_args, kv_events_config=None)
         self.scheduler = Scheduler(
-            scheduler_args, worker, sink, tokenizer, clock=self.clock, tp_rank=tp.rank
+            scheduler_args,
+            worker,
+            sink,
+            tokenizer,
+            clock=self.clock,
+            tp_rank=tp.rank,
+            raise_on_leak=False,
         )
-        self.scheduler.raise_on_leak = False
         self.source: StepSource
         if recv is None:
             self.source = FollowerStepSource(tp)

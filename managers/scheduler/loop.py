@@ -86,9 +86,11 @@ class Scheduler:
         tokenizer: Any = None,
         clock: Callable[[], float] = time.monotonic,
         tp_rank: int = 0,
+        raise_on_leak: bool = True,
     ) -> None:
         """`clock` times the deadlines (a tensor-parallel rank's reads rank 0's step time);
-        `tp_rank` names this rank in its state and its integrity-check errors."""
+        `tp_rank` names this rank in its state and its integrity-check errors;
+        `raise_on_leak`: see `check_memory`."""
         self.server_args = server_args
         self.tp_rank = tp_rank
         self.worker = worker
@@ -145,7 +147,7 @@ class Scheduler:
             self.forward_worker = OverlapWorker(worker, self.kv.max_rows)
         self.kv.hold_row_frees(self.overlap)
         self.was_idle = True
-        self.raise_on_leak = True
+        self.raise_on_leak = raise_on_leak
         self.memory_check = MemoryIntegrity()
 
     # ---- messages ------------------------------------------------------------------
