@@ -16,7 +16,7 @@ from fastapi import APIRouter, Response
 
 from managers.errors import RequestError
 from managers.io_struct import GenerateReqInput
-from managers.tokenizer_manager import combined_memory_integrity
+from managers.server_status import combined_memory_integrity
 from srt.entrypoints.app_state import ServerArgsDep, ShowLocalPathsDep, TokenizerManagerDep
 from srt.entrypoints.http_errors import json_response
 
