@@ -23,7 +23,7 @@ from srt.entrypoints.http_errors import (
     request_error_from_validation,
     request_error_response,
 )
-from srt.entrypoints.openai.protocol import ModelCard
+from srt.entrypoints.openai.responses import ModelCard
 from srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from srt.entrypoints.openai.serving_utils import TokenizerManagerLike, check_model, now
