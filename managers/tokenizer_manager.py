@@ -12,8 +12,9 @@ Lifecycle of one `generate_request` call:
 
 All of it runs on one asyncio loop (uvicorn's for the server, a background one for the
 offline `Engine`); the ZMQ sockets are created on that loop the first time it is used. Only
-tokenizing and checking a prompt runs elsewhere, on a small thread pool: it takes about a
-second per MB of text, and the loop must keep serving every other client meanwhile.
+tokenizing and checking a prompt runs elsewhere, on a small thread pool: a prompt as large as
+a body may be takes long to tokenize, and the loop must keep serving every other client
+meanwhile (`pytest tests/server -k test_4mb_prompt_is_tokenized_without_stalling_others`).
 
 A request holds its rid, and every rid derived from it, in `rids` (a `RidTable`) from
 admission until its generator ends; a request whose names collide is refused. Shutting down
