@@ -5,7 +5,9 @@
     decode   (decode.py)   the next decode batch: retraction + the new-token ratio
     output   (output.py)   a forward's result applied to its requests, emitted, logged
 
-They share `Queues` (where each request is) and `KVManager` (who owns each KV slot). A step:
+They share `Queues` (where each request is) and `KVManager` (who owns each KV slot), and
+tell the clients through one `Emitter` (emitter.py), built first so that every part,
+the disaggregation side included, gets what it needs in its constructor. A step:
 poll the waiting intake queues, build the next batch (prefill first, else decode), run it,
 process its result. `step_normal` runs one batch after the other: the default on CPU, where
 the forward is synchronous and its threads take every core, so a scheduler thread running
