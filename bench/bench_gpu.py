@@ -1,4 +1,4 @@
-"""GPU checks and benchmarks, end to end, in one command (issue 6).
+"""GPU checks and benchmarks, end to end, in one command.
 
     python -m bench.bench_gpu [--out gpu_results.md] [--skip-checks] [--models default qwen3-0.6b]
 

@@ -1,26 +1,23 @@
 """Caps on what a constraint may ask of the grammar compiler, checked before it compiles.
 
 A compile cannot be interrupted once it runs (xgrammar's compiler is native code with no
-cancellation), so a grammar that would take minutes must be refused up front. Compile times
-with xgrammar and the default model's 49k-token vocabulary, one compile thread on a busy
-2-core machine:
+cancellation), so a grammar that would take minutes must be refused up front. Each cap
+bounds what makes compile time grow; `python -m bench.grammar_compile --probe KIND SIZE`
+measures a shape with the default model's vocabulary:
 
-- nesting: a 200-deep array schema compiles in 0.4 s; the issue's probe saw a 1000-deep one
-  (40 KB) take ~75 s and 5000 levels grow past 6 GB. Twenty levels (OpenAI allows ten)
-  cost nothing measurable.
-- optional properties: one object with 500 compiles in 0.5-0.8 s, 1000 in 3-5.5 s, 2000 in
-  ~32 s (the probe), and the cost multiplies when such objects nest (ten objects of 500:
-  115 s). Under the cap of 1000 properties in the whole schema the worst such shape is the
-  flat object (~5 s; two objects of 500: 1.8 s, ten of 100: 0.5 s). Required properties
-  are cheap (5000 in 1.4 s), and so are enums, anyOf lists, `maxLength` and `format`.
-- size: the byte cap bounds long enums, regexes and EBNF grammars. A regex costs up to a
-  few seconds however long (alternations of bounded repetitions: 2.9 s at 700 bytes, 3.9 s
-  at 48 KB).
-- not capped: each `pattern` of a schema is compiled on its own, a bounded character-class
-  repetition such as `[a-z]{1,20}` for ~0.06 s (256 such properties: 16 s), `[a-z]{1,5000}`
-  for 0.4 s. A schema under every cap can therefore still compile for a minute or more; it
-  then holds one compile thread until it ends, and its request fails at the compile
-  timeout. The walk counts patterns so that such a schema never counts as small.
+- nesting (`deep-array`): time and memory grow steeply with depth; twenty levels (OpenAI
+  allows ten) cost nothing measurable.
+- optional properties (`optional-properties`): time grows faster than their number, and
+  multiplies when such objects nest, so the cap counts them across the whole schema, where
+  the worst shape under it is one flat object. Required properties are cheap, and so are
+  enums, anyOf lists, `maxLength` and `format`.
+- size: the byte cap bounds long enums, regexes and EBNF grammars; a regex
+  (`regex-alternations`) costs up to a few seconds however long.
+- not capped: each `pattern` of a schema is compiled on its own, so many bounded
+  character-class repetitions (`--regex '[a-z]{1,20}'` times their number) add up. A schema
+  under every cap can therefore still compile for a minute or more; it then holds one
+  compile thread until it ends, and its request fails at the compile timeout. The walk
+  counts patterns so that such a schema never counts as small.
 
 Depth counts the schemas nested in one another that hold further schemas (objects,
 arrays, combinators, conditionals); a leaf such as `{"type": "string"}` adds nothing, and a

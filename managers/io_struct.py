@@ -75,8 +75,11 @@ T = TypeVar("T")
 
 def _pickle_as_tuple(cls: type[T]) -> type[T]:
     """Pickle a slotted dataclass as (class, field values). The default reduce of a slots
-    class builds a state dict per object, which made a batch of outputs almost 3x slower to
-    pickle; these records cross two sockets every scheduler step."""
+    class builds a state dict per object, slow for records that cross two sockets every
+    scheduler step. Measured by `python -m timeit -s "import pickle; from managers.io_struct
+    import BatchTokenIDOut as B, DecodeOptions as D, ReqOutput as R; b = B([R('r', [1], None,
+    4, 1, 0, D()) for _ in range(256)])" "pickle.loads(pickle.dumps(b))"`, with and without
+    this decorator."""
     names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
     assert len(names) > 1, "attrgetter of one name returns a bare value, not a tuple"
     values = attrgetter(*names)

@@ -13,7 +13,6 @@ sampled differently in `tp_sample_mismatches` (tests assert 0 on one machine).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 import torch
@@ -28,10 +27,6 @@ from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-# Test hook, not a setting: with RADIXRT_TEST_HANG_AT_FORWARD=N the N-th forward (1-based)
-# of this worker never returns, to prove the scheduler's watchdog (tests/server/test_watchdog.py).
-TEST_HANG_AT_FORWARD_ENV = "RADIXRT_TEST_HANG_AT_FORWARD"
-
 
 class ModelWorker:
     def __init__(
@@ -39,7 +34,10 @@ class ModelWorker:
         server_args: ServerArgs,
         model_config: ModelConfig | None = None,
         tp: TPGroup | None = None,
+        hang_at_forward: int = 0,
     ) -> None:
+        """`hang_at_forward`: a test hook, not a setting: the N-th forward (1-based) never
+        returns, to prove the scheduler's watchdog (0: none; see `srt/environ.py`)."""
         self.server_args = server_args
         self.tp = tp or TPGroup.single()
         self.model_config = model_config or ModelConfig.from_path(
@@ -53,14 +51,9 @@ class ModelWorker:
         self.device = self.model_runner.device
         self.num_forwards = 0
         self.tp_sample_mismatches = 0  # ids this rank sampled unlike rank 0 (tp > 1 only)
-        self.hang_at_forward = int(os.environ.get(TEST_HANG_AT_FORWARD_ENV) or 0)
-        if self.hang_at_forward:
-            logger.warning(
-                "Test hook %s=%d: forward %d will hang.",
-                TEST_HANG_AT_FORWARD_ENV,
-                self.hang_at_forward,
-                self.hang_at_forward,
-            )
+        self.hang_at_forward = hang_at_forward
+        if hang_at_forward:
+            logger.warning("Test hook: forward %d will hang.", hang_at_forward)
 
     def get_memory_pool(self):
         return self.model_runner.req_to_token_pool, self.model_runner.allocator

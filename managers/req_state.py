@@ -3,17 +3,24 @@
 The receive loop `apply`s each `ReqOutput` of a `BatchStrOut` (text, ids, logprobs
 accumulate) and `notify`s; the waiting caller takes a cumulative `snapshot`. A state is queued
 at most once at a time, so a slow consumer of a stream gets the latest snapshot, not a backlog.
+`wait_outputs` is the caller's side: it takes the states of one request as they come.
 The finish reason stays a `FinishReason` here; only `meta_info` holds its JSON form.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from managers.errors import RequestError
 from managers.io_struct import FinishReason, LogprobDelta, ReqOutput, finish_abort
+
+logger = logging.getLogger(__name__)
+# How often a waiting request checks whether its HTTP client went away.
+DISCONNECT_POLL_S = 1.0
 
 TokenText = Callable[[int], str | None]
 LOGPROB_FIELDS = (
@@ -106,3 +113,38 @@ def _extend_logprobs(acc: dict[str, list[Any]], delta: LogprobDelta, text: Token
 
 def _no_text(token_id: int) -> None:
     return None
+
+
+async def wait_outputs(
+    states: list[ReqState],
+    ready: asyncio.Queue[ReqState],
+    stream: bool,
+    request: Any,
+) -> AsyncIterator[dict[str, Any]]:
+    """The outputs of one request's samples as they come (cumulative snapshots when
+    streaming, else each sample's final one). A sample refused before anything was sent
+    raises `RequestError`; a client gone (polled every `DISCONNECT_POLL_S`) ends it early."""
+    pending = len(states)
+    sent = False
+    while pending:
+        try:
+            state = await asyncio.wait_for(ready.get(), DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:
+            if request is not None and await request.is_disconnected():
+                logger.info("Client disconnected; aborting request %s.", states[0].parent_rid)
+                return
+            continue
+        state.queued = False
+        if state.finished:
+            pending -= 1
+            reason = state.finish_reason
+            # Refused before anything was sent (bad input, invalid grammar, a full queue,
+            # timed out waiting): an error, so HTTP answers 4xx / 503 instead of
+            # starting a stream.
+            if reason is not None and reason.is_abort and reason.status_code and not sent:
+                if reason.status_code == 503:
+                    raise RequestError.overloaded(reason.message or "")
+                raise RequestError(reason.message or "", status_code=reason.status_code)
+        if stream or state.finished:
+            sent = True
+            yield state.snapshot()

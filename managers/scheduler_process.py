@@ -56,6 +56,7 @@ from managers.tp_sync import (
     StepSource,
     exit_if_peer_lost,
 )
+from srt import environ
 from srt.distributed import TPGroup, TPInitError, TPSpec, init_tp_group
 from srt.server_args import ServerArgs
 from srt.utils.process import (
@@ -133,7 +134,7 @@ class SchedulerServer:
         tp = tp if tp is not None else TPGroup.single()
         self.server_args = server_args
         self.tp = tp
-        worker = ModelWorker(server_args, tp=tp)
+        worker = ModelWorker(server_args, tp=tp, hang_at_forward=environ.hang_at_forward())
         tokenizer = None
         if not server_args.skip_tokenizer_init:
             # Every rank: stop strings and grammars need it, and they must agree.
@@ -153,9 +154,14 @@ class SchedulerServer:
             # The tree is the same on every rank; rank 0 alone publishes its events.
             scheduler_args = dataclasses.replace(server_args, kv_events_config=None)
         self.scheduler = Scheduler(
-            scheduler_args, worker, sink, tokenizer, clock=self.clock, tp_rank=tp.rank
+            scheduler_args,
+            worker,
+            sink,
+            tokenizer,
+            clock=self.clock,
+            tp_rank=tp.rank,
+            raise_on_leak=False,
         )
-        self.scheduler.raise_on_leak = False
         self.source: StepSource
         if recv is None:
             self.source = FollowerStepSource(tp)

@@ -12,8 +12,9 @@ Lifecycle of one `generate_request` call:
 
 All of it runs on one asyncio loop (uvicorn's for the server, a background one for the
 offline `Engine`); the ZMQ sockets are created on that loop the first time it is used. Only
-tokenizing and checking a prompt runs elsewhere, on a small thread pool: it takes about a
-second per MB of text, and the loop must keep serving every other client meanwhile.
+tokenizing and checking a prompt runs elsewhere, on a small thread pool: a prompt as large as
+a body may be takes long to tokenize, and the loop must keep serving every other client
+meanwhile (`pytest tests/server -k test_4mb_prompt_is_tokenized_without_stalling_others`).
 
 A request holds its rid, and every rid derived from it, in `rids` (a `RidTable`) from
 admission until its generator ends; a request whose names collide is refused. Shutting down
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 import uuid
 from collections import deque
@@ -45,15 +45,20 @@ from managers.io_struct import (
     GenerateReqInput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
-    MemoryIntegrity,
     SchedulerReady,
     SchedulerState,
     SchedulerStats,
 )
 from managers.metrics import ServerMetrics
 from managers.parallel_sampling import RidTable, make_requests, prefill_rid
-from managers.req_state import ReqState
-from managers.validation import grammar_limits, load_chat_template, prepare_prompt
+from managers.req_state import ReqState, wait_outputs
+from managers.server_status import load_report
+from managers.validation import (
+    check_admission_fields,
+    grammar_limits,
+    load_chat_template,
+    prepare_prompt,
+)
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 from srt.utils.process import PortArgs, zmq_socket
@@ -61,8 +66,6 @@ from srt.utils.process import PortArgs, zmq_socket
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# How often a waiting request checks whether its HTTP client went away.
-DISCONNECT_POLL_S = 1.0
 CONTROL_TIMEOUT_S = 30.0
 # Threads that tokenize and check prompts. Few: a large prompt must not stall the event loop,
 # but tokenizing is CPU work that competes with the scheduler for the same cores.
@@ -226,7 +229,7 @@ class TokenizerManager:
                 self.rid_to_state[state.rid] = state
             for msg in msgs:
                 self.send_to_scheduler.send_pyobj(msg)
-            async for out in self._wait_outputs(states, ready, obj.stream, request):
+            async for out in wait_outputs(states, ready, obj.stream, request):
                 yield out
         finally:
             unfinished = [s for s in states if not s.finished]
@@ -236,38 +239,6 @@ class TokenizerManager:
             if unfinished and params.n > 1:
                 self.send_to_scheduler.send_pyobj(AbortReq(prefill_rid(rid)))
             self.rids.release(rid)
-
-    async def _wait_outputs(
-        self,
-        states: list[ReqState],
-        ready: asyncio.Queue[ReqState],
-        stream: bool,
-        request: Any,
-    ) -> AsyncIterator[dict[str, Any]]:
-        pending = len(states)
-        sent = False
-        while pending:
-            try:
-                state = await asyncio.wait_for(ready.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if request is not None and await request.is_disconnected():
-                    logger.info("Client disconnected; aborting request %s.", states[0].parent_rid)
-                    return
-                continue
-            state.queued = False
-            if state.finished:
-                pending -= 1
-                reason = state.finish_reason
-                # Refused before anything was sent (bad input, invalid grammar, a full queue,
-                # timed out waiting): an error, so HTTP answers 4xx / 503 instead of
-                # starting a stream.
-                if reason is not None and reason.is_abort and reason.status_code and not sent:
-                    if reason.status_code == 503:
-                        raise RequestError.overloaded(reason.message or "")
-                    raise RequestError(reason.message or "", status_code=reason.status_code)
-            if stream or state.finished:
-                sent = True
-                yield state.snapshot()
 
     def tokenize_and_validate(self, obj: GenerateReqInput) -> tuple[list[int], SamplingParams]:
         """Runs on `tokenize_pool`: it only reads the manager."""
@@ -353,21 +324,8 @@ class TokenizerManager:
         return f"the scheduler sent no heartbeat for {silent:.1f} s (limit {limit:.1f} s)"
 
     def load(self) -> list[dict[str, int]]:
-        """SGLang's /get_load: one entry per data-parallel rank (RadixRT has one), from the
-        latest scheduler stats (at most ~0.5 s old while busy). `num_tokens`, what
-        sglang-router's power-of-two policy compares, is the KV held by requests plus the
-        prompt tokens still waiting."""
-        stats = self.last_stats
-        if stats is None:
-            return [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
-        return [
-            {
-                "dp_rank": 0,
-                "num_reqs": stats.num_running_reqs + stats.num_queue_reqs,
-                "num_waiting_reqs": stats.num_queue_reqs,
-                "num_tokens": stats.num_used_tokens + stats.num_queued_tokens,
-            }
-        ]
+        """SGLang's /get_load, from the latest scheduler stats (see `load_report`)."""
+        return load_report(self.last_stats)
 
     # ---- failure -------------------------------------------------------------------
     def check_alive(self) -> None:
@@ -403,46 +361,5 @@ class TokenizerManager:
         self.rid_to_state.clear()
 
 
-def combined_memory_integrity(states: list[SchedulerState]) -> MemoryIntegrity:
-    """One verdict over every rank's KV integrity check: failed if any rank's failed (each
-    error prefixed with its rank), unknown (None) while some rank has not checked yet, else
-    ok; the time is the oldest rank's. At tp=1 it is rank 0's own, unchanged."""
-    if len(states) == 1:
-        return states[0].memory_integrity
-    checks = [(s.tp_rank, s.memory_integrity) for s in states]
-    errors = [f"rank {rank}: {c.error}" for rank, c in checks if c.ok is False]
-    if errors:
-        ok: bool | None = False
-    elif any(c.ok is None for _, c in checks):
-        ok = None
-    else:
-        ok = True
-    times = [c.time for _, c in checks]
-    oldest = None if None in times else min(t for t in times if t is not None)
-    return MemoryIntegrity(ok, "; ".join(errors) or None, oldest)
-
-
 def shutting_down(reason: str) -> str:
     return f"The server is shutting down: {reason}"
-
-
-def check_admission_fields(obj: GenerateReqInput, server_args: ServerArgs) -> None:
-    """`timeout` is a number of seconds > 0; `priority` an integer, and other than 0 only on a
-    server that schedules by it (a field that would change nothing is refused)."""
-    timeout = obj.timeout
-    if timeout is not None and (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, (int, float))
-        or not math.isfinite(timeout)
-        or timeout <= 0
-    ):
-        raise RequestError("`timeout` must be a number of seconds > 0.", "timeout")
-    priority = obj.priority
-    if priority is None:
-        return
-    if isinstance(priority, bool) or not isinstance(priority, int):
-        raise RequestError("`priority` must be an integer.", "priority")
-    if priority != 0 and not server_args.enable_priority_scheduling:
-        raise RequestError(
-            "`priority` needs a server started with --enable-priority-scheduling.", "priority"
-        )

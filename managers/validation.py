@@ -9,13 +9,17 @@ before tokenizing exactly when this module would refuse it afterwards."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from constrained.limits import GrammarLimitError, GrammarLimits, check_grammar_limits
 from managers.errors import RequestError
 from managers.io_struct import GenerateReqInput
 from srt.sampling.sampling_params import InvalidSamplingParam, SamplingParams
+
+if TYPE_CHECKING:
+    from srt.server_args import ServerArgs
 
 MAX_TOP_LOGPROBS = 20
 
@@ -169,3 +173,25 @@ def load_chat_template(spec: str | None) -> str | None:
         f"--chat-template {spec!r} is neither a shipped template ({', '.join(names)}), a file "
         "nor a Jinja template"
     )
+
+
+def check_admission_fields(obj: GenerateReqInput, server_args: ServerArgs) -> None:
+    """`timeout` is a number of seconds > 0; `priority` an integer, and other than 0 only on a
+    server that schedules by it (a field that would change nothing is refused)."""
+    timeout = obj.timeout
+    if timeout is not None and (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not math.isfinite(timeout)
+        or timeout <= 0
+    ):
+        raise RequestError("`timeout` must be a number of seconds > 0.", "timeout")
+    priority = obj.priority
+    if priority is None:
+        return
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise RequestError("`priority` must be an integer.", "priority")
+    if priority != 0 and not server_args.enable_priority_scheduling:
+        raise RequestError(
+            "`priority` needs a server started with --enable-priority-scheduling.", "priority"
+        )

@@ -18,7 +18,8 @@ RadixRT's own variables:
 
 Other programs' variables RadixRT also honours: `CC` (the C compiler for the CPU kernels),
 `ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA` and `MKL_ENABLE_INSTRUCTIONS` (how the suite
-emulates an AVX2-only CPU: kernels, plans and `--dtype auto` follow the cap).
+emulates an AVX2-only CPU: kernels, plans and `--dtype auto` follow the cap), and
+`OMP_NUM_THREADS` (where set, CPU tensor-parallel ranks keep it instead of splitting the cores).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ C_COMPILER = EnvVar("CC", "gcc")
 ATEN_CPU_CAPABILITY = EnvVar("ATEN_CPU_CAPABILITY")
 ONEDNN_MAX_CPU_ISA = EnvVar("ONEDNN_MAX_CPU_ISA")
 MKL_ENABLE_INSTRUCTIONS = EnvVar("MKL_ENABLE_INSTRUCTIONS")
+OMP_NUM_THREADS = EnvVar("OMP_NUM_THREADS")
 
 
 def cache_root() -> Path:

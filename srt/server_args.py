@@ -305,18 +305,15 @@ class ServerArgs:
 
         On a CPU the default is 384, raised to `queued_tokens / 8` up to 2048. One forward
         runs the matmuls near their peak rate from a few hundred rows, so a short queue gains
-        little from a larger batch and every request in it waits for all of it (W2: mean TTFT
-        1.8 s with 16384, 1.0 s with 1024, the same duration; with the fused decode layer,
-        0.89 s with 1024 and 0.77 s with 384). A long queue does gain: 16 of W1's prompts
-        (64-512 tokens) prefilled in batches of up to 2048 tokens took a median 10.09 s against
-        10.95 s in batches of up to 384 (2-core AMD EPYC, Zen 3, float32; 12 interleaved
-        tries, 2048 faster in 10). The prefill runs before any decode while requests are
-        waiting, so every queued request waits for the whole queue anyway: a batch of 1/8 of
-        the queue adds at most 1/8 of it to the first tokens of its own requests, less than the
-        throughput it gains at the cap, and nothing to a queue of at least 16384 tokens but the
-        cap. A queue under 8 x 384 tokens keeps 384; W2's first wave (7 new 544-token system
-        prompts, ~3800 new tokens counting a prompt held back for its shared prefix once)
-        gets ~480, which makes the same batches. `--max-prefill-tokens` pins the budget."""
+        little from a larger batch and every request in it waits for all of it; a long queue
+        does gain throughput from larger batches. The prefill runs before any decode while
+        requests are waiting, so every queued request waits for the whole queue anyway: a
+        batch of 1/8 of the queue adds at most 1/8 of it to the first tokens of its own
+        requests, less than the throughput it gains at the cap. `--max-prefill-tokens` pins
+        the budget, which is how the choice is measured: `python -m bench.ab --a-args
+        "--max-prefill-tokens 384" --b-args "--max-prefill-tokens 2048"` with W2's arguments
+        (see `bench/ab.py`) for the first tokens, and `python -m bench.bench_offline
+        --max-prefill-tokens N` for W1's throughput."""
         if self.max_prefill_tokens is not None:
             return self.max_prefill_tokens
         if self.resolved_device() != "cpu":
@@ -327,8 +324,8 @@ class ServerArgs:
     def overlap_schedule(self) -> bool:
         """Does the scheduler run the overlap loop? By default on GPU only: on a CPU the forward
         is synchronous and its threads take every core, so the overlap loop's scheduler thread
-        can only take cycles from them (W2, float32, 2-core Xeon: 29.9-30.6 s against 25.2-25.5
-        s with the normal loop, mean TPOT 93-95 against 73-77 ms)."""
+        can only take cycles from them. Measured by `python -m bench.ab --preset overlap
+        --server-args "--dtype float32"` with W2's arguments (see `bench/ab.py`)."""
         if self.disable_overlap_schedule is None:
             return self.resolved_device() != "cpu"
         return not self.disable_overlap_schedule

@@ -5,8 +5,8 @@ one WRITE of the request's runs of slots, then waits for it to complete.
 UCX listens on every interface address unless `UCX_NET_DEVICES` restricts it (e.g. `lo`).
 
 The agent runs without NIXL's progress thread: its Python wrapper starts that thread with no
-delay between polls, so it spins a core in every server, busy or idle (on 2 cores, the
-prefill and the decode server of one host took both). UCX progresses instead where we call
+delay between polls, so it spins a core in every server, busy or idle, taking cores from
+the model. UCX progresses instead where we call
 into it: the writer while it waits for its write (`check_xfer_state`), the decode side once
 per scheduler step (`progress`), which transports that need the target's help (TCP) rely on.
 """

@@ -19,7 +19,7 @@ from managers.schedule_batch import ScheduleBatch
 
 if TYPE_CHECKING:
     from managers.req import Req
-    from managers.scheduler.output import Output
+    from managers.scheduler.emitter import Emitter
     from managers.scheduler.queues import Queues
     from mem_cache.kv_manager import KVManager
 
@@ -54,11 +54,11 @@ class NewTokenRatio:
 
 class DecodePlanner:
     def __init__(
-        self, queues: Queues, kv: KVManager, output: Output, conservativeness: float
+        self, queues: Queues, kv: KVManager, emitter: Emitter, conservativeness: float
     ) -> None:
         self.queues = queues
         self.kv = kv
-        self.output = output
+        self.emitter = emitter
         self.ratio = NewTokenRatio(conservativeness)
         self.num_retracted_reqs = 0  # cumulative, reported in the server info
 
@@ -113,7 +113,7 @@ class DecodePlanner:
             req = order[0]
             running.remove(req)
             self.kv.cache_finished(req)
-            self.output.fail(
+            self.emitter.fail(
                 req,
                 f"The KV cache pool ({self.kv.total_tokens} tokens) is too small for this "
                 f"request ({req.seq_len()} tokens so far).",

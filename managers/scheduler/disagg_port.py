@@ -13,16 +13,18 @@ from managers.io_struct import finish_abort
 if TYPE_CHECKING:
     from managers.req import Req
     from managers.scheduler.deadlines import Deadlines
-    from managers.scheduler.output import Output
+    from managers.scheduler.emitter import Emitter
     from managers.scheduler.queues import Queues
     from mem_cache.kv_manager import KVManager
 
 
 class Port:
-    def __init__(self, queues: Queues, kv: KVManager, output: Output, deadlines: Deadlines) -> None:
+    def __init__(
+        self, queues: Queues, kv: KVManager, emitter: Emitter, deadlines: Deadlines
+    ) -> None:
         self.queues = queues
         self.kv = kv
-        self.output = output
+        self.emitter = emitter
         self.deadlines = deadlines
 
     def preallocate(self, req: Req) -> list[int] | None:
@@ -40,12 +42,12 @@ class Port:
         self.deadlines.admitted(req)  # admitted here, not by a prefill batch
         req.cached_tokens = cached_tokens
         req.output_ids.append(first_token)
-        req.check_finished(self.output.context_len, self.output.tail_text)
+        self.emitter.check_finished(req)
         if req.finished():
             self.kv.cache_finished(req)
         else:
             self.queues.running.append(req)
-        self.output.emit([req])
+        self.emitter.emit([req])
 
     def release(self, req: Req, cache: bool) -> None:
         if cache:
@@ -55,9 +57,9 @@ class Port:
 
     def finish(self, req: Req, error: str | None = None) -> None:
         if error is None:
-            self.output.emit([req])
+            self.emitter.emit([req])
         else:
-            self.output.fail(req, error, 500)
+            self.emitter.fail(req, error, 500)
 
     def abort(self, req: Req, message: str) -> None:
         if req.finished():
@@ -66,7 +68,7 @@ class Port:
         for i, queued in enumerate(waiting):
             if queued is req:  # no KV yet
                 del waiting[i]
-                self.output.fail(req, message)
+                self.emitter.fail(req, message)
                 return
         if req.to_abort is None:
             req.to_abort = finish_abort(message)  # applied to its next result

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from constrained.base_grammar_backend import BaseGrammarBackend
     from disagg.port import DisaggSide
     from managers.scheduler.deadlines import Deadlines
-    from managers.scheduler.output import Output
+    from managers.scheduler.emitter import Emitter
     from managers.scheduler.queues import Queues
     from mem_cache.kv_manager import KVManager
     from srt.server_args import ServerArgs
@@ -58,7 +58,7 @@ class Intake:
         self,
         queues: Queues,
         kv: KVManager,
-        output: Output,
+        emitter: Emitter,
         disagg: DisaggSide,
         server_args: ServerArgs,
         model_config: Any,
@@ -67,7 +67,7 @@ class Intake:
     ) -> None:
         self.queues = queues
         self.kv = kv
-        self.output = output
+        self.emitter = emitter
         self.context_len: int = model_config.context_len
         self.vocab_size: int = model_config.vocab_size
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
@@ -112,7 +112,7 @@ class Intake:
         )
         error = self._refusal(req)
         if error is not None:
-            self.output.fail(req, error, 400)
+            self.emitter.fail(req, error, 400)
             return
         if not self._make_room(req):
             return
@@ -220,7 +220,7 @@ class Intake:
         if now - self._refusal_logged_at >= REFUSAL_LOG_INTERVAL_S:
             self._refusal_logged_at = now
             logger.warning("%s Refused so far: %d.", reason, self.num_refused_reqs)
-        self.output.fail(req, reason, OVERLOADED)
+        self.emitter.fail(req, reason, OVERLOADED)
 
     # ---- per step ------------------------------------------------------------------
     def poll(self, grammar_done: list[int] | None = None) -> None:
@@ -242,7 +242,7 @@ class Intake:
             self.grammar_backend.new_matcher, self._nothing_else_to_run(), grammar_done
         )
         self.queues.waiting.extend(ready)
-        self.output.emit(failed)
+        self.emitter.emit(failed)
 
     def grammar_done_seqs(self, may_wait: bool) -> list[int]:
         """Tensor-parallel rank 0, before its step input goes out: the compiles that count as
@@ -274,7 +274,7 @@ class Intake:
 
     def _abort_queued(self, req: Req) -> None:
         self.num_aborted_reqs += 1
-        self.output.fail(req, ABORTED)
+        self.emitter.fail(req, ABORTED)
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
         """Finish one request where it is: at once while queued (it holds no KV, or the
@@ -290,6 +290,6 @@ class Intake:
             queued = [req]
         if queued:
             req.finished_reason = reason
-            self.output.emit([req])
+            self.emitter.emit([req])
         elif req.to_abort is None and any(r is req for r in q.in_flight()):
             req.to_abort = reason

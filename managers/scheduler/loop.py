@@ -5,7 +5,9 @@
     decode   (decode.py)   the next decode batch: retraction + the new-token ratio
     output   (output.py)   a forward's result applied to its requests, emitted, logged
 
-They share `Queues` (where each request is) and `KVManager` (who owns each KV slot). A step:
+They share `Queues` (where each request is) and `KVManager` (who owns each KV slot), and
+tell the clients through one `Emitter` (emitter.py), built first so that every part,
+the disaggregation side included, gets what it needs in its constructor. A step:
 poll the waiting intake queues, build the next batch (prefill first, else decode), run it,
 process its result. `step_normal` runs one batch after the other: the default on CPU, where
 the forward is synchronous and its threads take every core, so a scheduler thread running
@@ -63,6 +65,7 @@ from managers.schedule_batch import BatchLaunch, ScheduleBatch
 from managers.scheduler.deadlines import Deadlines
 from managers.scheduler.decode import DecodePlanner
 from managers.scheduler.disagg_port import Port
+from managers.scheduler.emitter import Emitter
 from managers.scheduler.intake import Intake
 from managers.scheduler.output import Output
 from managers.scheduler.prefill import PrefillPlanner
@@ -85,9 +88,11 @@ class Scheduler:
         tokenizer: Any = None,
         clock: Callable[[], float] = time.monotonic,
         tp_rank: int = 0,
+        raise_on_leak: bool = True,
     ) -> None:
         """`clock` times the deadlines (a tensor-parallel rank's reads rank 0's step time);
-        `tp_rank` names this rank in its state and its integrity-check errors."""
+        `tp_rank` names this rank in its state and its integrity-check errors;
+        `raise_on_leak`: see `check_memory`."""
         self.server_args = server_args
         self.tp_rank = tp_rank
         self.worker = worker
@@ -108,28 +113,27 @@ class Scheduler:
             compile_threads=server_args.grammar_compile_threads,
             limits=GrammarLimits.from_server_args(server_args),
         )
+        self.emitter = Emitter(output_sink, tokenizer, self.context_len)
+        self.decode = DecodePlanner(
+            self.queues, self.kv, self.emitter, server_args.schedule_conservativeness
+        )
+        self.deadlines = Deadlines(server_args.waiting_timeout, server_args.running_timeout, clock)
+        port = Port(self.queues, self.kv, self.emitter, self.deadlines)
+        self.disagg = create_disagg(server_args, port, worker)
         self.output = Output(
             self.queues,
             self.kv,
-            output_sink,
-            tokenizer,
-            self.context_len,
+            self.emitter,
+            self.disagg.take_finished,
             server_args.decode_log_interval,
         )
-        self.decode = DecodePlanner(
-            self.queues, self.kv, self.output, server_args.schedule_conservativeness
-        )
-        self.deadlines = Deadlines(server_args.waiting_timeout, server_args.running_timeout, clock)
         self.prefill = PrefillPlanner(
             self.queues, self.kv, self.decode, self.output, server_args, self.deadlines
         )
-        port = Port(self.queues, self.kv, self.output, self.deadlines)
-        self.disagg = create_disagg(server_args, port, worker)
-        self.output.take_finished = self.disagg.take_finished
         self.intake = Intake(
             self.queues,
             self.kv,
-            self.output,
+            self.emitter,
             self.disagg,
             server_args,
             cfg,
@@ -145,7 +149,7 @@ class Scheduler:
             self.forward_worker = OverlapWorker(worker, self.kv.max_rows)
         self.kv.hold_row_frees(self.overlap)
         self.was_idle = True
-        self.raise_on_leak = True
+        self.raise_on_leak = raise_on_leak
         self.memory_check = MemoryIntegrity()
 
     # ---- messages ------------------------------------------------------------------

@@ -10,21 +10,16 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from managers.io_struct import (
-    BatchTokenIDOut,
-    ReqOutput,
-    finish_abort,
-    finish_length,
-    finish_matched,
-)
+from managers.io_struct import finish_abort, finish_length, finish_matched
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from managers.req import Req
     from managers.schedule_batch import BatchLaunch, GenerationBatchResult
+    from managers.scheduler.emitter import Emitter
     from managers.scheduler.queues import Queues
     from mem_cache.kv_manager import KVManager
 
@@ -69,19 +64,17 @@ class Output:
         self,
         queues: Queues,
         kv: KVManager,
-        sink: Callable[[BatchTokenIDOut], None],
-        tokenizer: Any,
-        context_len: int,
+        emitter: Emitter,
+        take_finished: Callable[[Req], bool],
         decode_log_interval: int,
     ) -> None:
+        """`take_finished(req)`: True where the disaggregation side keeps a finished request
+        (a PD prefill request until its KV reached the decode server)."""
         self.queues = queues
         self.kv = kv
-        self.sink = sink
-        self.tokenizer = tokenizer
-        self.context_len = context_len
+        self.emitter = emitter
+        self.take_finished = take_finished
         self.decode_log_interval = decode_log_interval
-        # Set by the scheduler once the disaggregation side exists (it needs this part).
-        self.take_finished: Callable[[Req], bool] = lambda req: False
         self.idle_tracker = IdleTracker()
         self.forward_ct = 0
         self.num_generated_tokens = 0  # cumulative, for the throughput metric
@@ -128,7 +121,7 @@ class Output:
             self._decode_tokens_since_log += len(batch.reqs)
             if self.forward_ct % self.decode_log_interval == 0:
                 self.log_decode_stats()
-        self.emit(emit)
+        self.emitter.emit(emit)
 
     def _append_token(self, req: Req, result: GenerationBatchResult, i: int) -> None:
         """Append the sampled token (none for a prefill-only request), then check stops."""
@@ -141,7 +134,7 @@ class Output:
             top = result.next_top_logprobs[i] if result.next_top_logprobs is not None else None
             req.logprobs.add_output(result.next_token_logprobs[i], token, top)
         if req.grammar is None or self._advance_grammar(req, token):
-            req.check_finished(self.context_len, self.tail_text)
+            self.emitter.check_finished(req)
 
     def _advance_grammar(self, req: Req, token: int) -> bool:
         """Accept `token` into the request's matcher; finish the request when the grammar is
@@ -170,38 +163,6 @@ class Output:
         tops = result.input_top_logprobs[i] if result.input_top_logprobs else None
         assert req.logprobs is not None
         req.logprobs.add_input(values, tops, prefix_len, req.origin_input_ids)
-
-    def tail_text(self, req: Req, n: int) -> str:
-        """The last n output tokens as text (stop strings are checked against it)."""
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(req.output_ids[-n:], skip_special_tokens=False)
-
-    # ---- telling the clients -------------------------------------------------------
-    def emit(self, reqs: list[Req]) -> None:
-        if not reqs:
-            return
-        outputs: list[ReqOutput] = []
-        for req in reqs:
-            outputs.append(
-                ReqOutput(
-                    rid=req.rid,
-                    new_token_ids=req.output_ids[req.sent_output_len :],
-                    finish_reason=req.finished_reason,
-                    prompt_tokens=len(req.origin_input_ids),
-                    completion_tokens=len(req.output_ids),
-                    cached_tokens=req.cached_tokens or 0,
-                    decode_options=req.decode_options(),
-                    logprobs=req.logprobs.take_delta() if req.logprobs is not None else None,
-                )
-            )
-            req.sent_output_len = len(req.output_ids)
-        self.sink(BatchTokenIDOut(outputs))
-
-    def fail(self, req: Req, message: str, status_code: int | None = None) -> None:
-        """Finish `req` with an error and tell the client (its KV is the caller's concern)."""
-        req.finished_reason = finish_abort(message, status_code)
-        self.emit([req])
 
     # ---- logging -------------------------------------------------------------------
     def log_prefill_stats(self, new_seqs: int, new_tokens: int, hit_tokens: int) -> None:

@@ -27,6 +27,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from srt import environ
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -213,7 +215,7 @@ def init_tp_group(spec: TPSpec) -> TPGroup:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if spec.backend == "nccl":
         torch.cuda.set_device(spec.local_rank)
-    elif spec.local_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+    elif spec.local_size > 1 and not environ.OMP_NUM_THREADS.is_set():
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // spec.local_size))
     try:
         dist.init_process_group(

@@ -10,28 +10,25 @@ compared in constant time.
 from __future__ import annotations
 
 import hmac
-import os
 from typing import Any
 
 from managers.errors import RequestError
+from srt import environ
 from srt.entrypoints.http_errors import request_error_response
 from srt.server_args import ServerArgs
-
-API_KEY_ENV = "RADIXRT_API_KEY"
 
 
 class ApiKeyError(ValueError):
     """The configured key cannot be read (a startup error)."""
 
 
-def resolve_api_key(server_args: ServerArgs, environ: dict[str, str] | None = None) -> str | None:
+def resolve_api_key(server_args: ServerArgs) -> str | None:
     """The key the server requires, or None for an open server."""
     if server_args.api_key:
         return server_args.api_key
     if server_args.api_key_file:
         return _read_key_file(server_args.api_key_file)
-    env = os.environ if environ is None else environ
-    return env.get(API_KEY_ENV) or None
+    return environ.api_key()
 
 
 def _read_key_file(path: str) -> str:

@@ -22,7 +22,8 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
-from managers.tokenizer_manager import TokenizerManager, combined_memory_integrity
+from managers.server_status import combined_memory_integrity
+from managers.tokenizer_manager import TokenizerManager
 from srt.entrypoints.native_protocol import generate_all, parse_generate, stream_all
 from srt.entrypoints.subprocesses import ChildProcesses
 from srt.server_args import ServerArgs

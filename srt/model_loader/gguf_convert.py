@@ -27,9 +27,10 @@ from pathlib import Path
 
 import torch
 
+from srt import environ
+
 logger = logging.getLogger(__name__)
 
-CACHE_DIR_ENV = "RADIXRT_CACHE_DIR"
 MARKER_FILE = "radixrt_gguf.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 # Bump when the folder layout changes so old conversions are not reused.
@@ -40,10 +41,7 @@ def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """The cache root: the argument, else ``$RADIXRT_CACHE_DIR``, else ``~/.cache/radixrt``."""
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
-    env = os.environ.get(CACHE_DIR_ENV)
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "radixrt"
+    return environ.cache_root()
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

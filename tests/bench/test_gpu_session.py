@@ -1,5 +1,5 @@
-"""bench/gpu_session: the printed device plan fits the device tool's limits, and prepare's dry
-run names every package without touching the network."""
+"""bench/gpu_session (with gpu_plan and gpu_prepare): the printed device plan fits the device
+tool's limits, and prepare's dry run names every package without touching the network."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from bench import gpu_plan, gpu_prepare
 from bench import gpu_session as gs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,16 +37,16 @@ def test_script_parses() -> None:
 
 
 def test_plan_prints_every_call_verbatim(plan_text: str) -> None:
-    assert len(gs.CALLS) >= 2
-    for i, call in enumerate(gs.CALLS, 1):
+    assert len(gpu_plan.CALLS) >= 2
+    for i, call in enumerate(gpu_plan.CALLS, 1):
         assert f"## Call {i}:" in plan_text
         assert call["command"] in plan_text.splitlines()
     assert "within 30 s" in plan_text
 
 
-@pytest.mark.parametrize("index", range(len(gs.CALLS)))
+@pytest.mark.parametrize("index", range(len(gpu_plan.CALLS)))
 def test_each_command_fits_and_parses(index: int) -> None:
-    command = gs.CALLS[index]["command"]
+    command = gpu_plan.CALLS[index]["command"]
     assert len(command) <= COMMAND_LIMIT
     subprocess.run(["bash", "-n", "-c", command], check=True)
     for needed in (
@@ -61,20 +62,20 @@ def test_each_command_fits_and_parses(index: int) -> None:
 def test_carry_lists_are_prepared_files_under_gpu() -> None:
     prepared = {"site.tar.xz", "model.part.aa", "model.part.ab", "model.sha256"}
     carried = set()
-    for call in gs.CALLS:
+    for call in gpu_plan.CALLS:
         assert call["carry"] and len(call["carry"]) <= 8
         for path in call["carry"]:
             assert path.startswith(".gpu/") and ".." not in path
             carried.add(path.removeprefix(".gpu/"))
     assert carried == prepared
     # Call 1 brings the site; the model's second part comes while the first waits there.
-    assert ".gpu/site.tar.xz" in gs.CALLS[0]["carry"]
-    assert ".gpu/model.part.ab" in gs.CALLS[1]["carry"]
+    assert ".gpu/site.tar.xz" in gpu_plan.CALLS[0]["carry"]
+    assert ".gpu/model.part.ab" in gpu_plan.CALLS[1]["carry"]
 
 
 def test_guard_after_the_first_call() -> None:
     guard = "[ -d $HOME/gpu/site/flashinfer ] || exit 3"
-    first, *rest = gs.CALLS
+    first, *rest = gpu_plan.CALLS
     assert guard not in first["command"] and "tar -xJf .gpu/site.tar.xz" in first["command"]
     assert all(call["command"].startswith(guard) for call in rest)
 
@@ -97,7 +98,7 @@ def test_prepare_dry_run_lists_packages_without_network(monkeypatch, capsys) -> 
     monkeypatch.setattr(gs.subprocess, "run", no_subprocess)
     gs.main(["prepare", "--dry-run"])
     out = capsys.readouterr().out
-    for spec in [gs.FLASHINFER, *gs.PACKAGES, gs.MODEL_WHEEL]:
+    for spec in [gpu_prepare.FLASHINFER, *gpu_prepare.PACKAGES, gpu_prepare.MODEL_WHEEL]:
         assert spec in out
     for name in ("flashinfer-python", "apache-tvm-ffi", "gguf", "pyzmq", "fastapi", "xgrammar"):
         assert name in out

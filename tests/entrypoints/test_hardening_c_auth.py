@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from srt.entrypoints.auth import API_KEY_ENV, ApiKeyError, ApiKeyMiddleware, resolve_api_key
+from srt.entrypoints.auth import ApiKeyError, ApiKeyMiddleware, resolve_api_key
+from srt.environ import API_KEY
 from srt.server_args import ServerArgs
 
 KEY = "s3cret-key"
@@ -84,34 +85,45 @@ def key_file(tmp_path: Path, text: str) -> str:
     return str(path)
 
 
-def test_no_key_anywhere_is_an_open_server() -> None:
-    assert resolve_api_key(ServerArgs(), environ={}) is None
-    assert resolve_api_key(ServerArgs(), environ={API_KEY_ENV: ""}) is None
+def test_no_key_anywhere_is_an_open_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(API_KEY.name, raising=False)
+    assert resolve_api_key(ServerArgs()) is None
+    monkeypatch.setenv(API_KEY.name, "")
+    assert resolve_api_key(ServerArgs()) is None
 
 
 def test_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(API_KEY_ENV, "from-env")
-    assert API_KEY_ENV == "RADIXRT_API_KEY"
+    monkeypatch.setenv(API_KEY.name, "from-env")
+    assert API_KEY.name == "RADIXRT_API_KEY"
     assert resolve_api_key(ServerArgs()) == "from-env"
 
 
-def test_file_first_line_stripped_wins_over_environment(tmp_path: Path) -> None:
+def test_file_first_line_stripped_wins_over_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(API_KEY.name, "from-env")
     args = ServerArgs(api_key_file=key_file(tmp_path, "  from-file \nsecond line\n"))
-    assert resolve_api_key(args, environ={API_KEY_ENV: "from-env"}) == "from-file"
+    assert resolve_api_key(args) == "from-file"
 
 
-def test_flag_wins_over_file_and_environment(tmp_path: Path) -> None:
+def test_flag_wins_over_file_and_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(API_KEY.name, "from-env")
     args = ServerArgs(api_key="from-flag", api_key_file=key_file(tmp_path, "from-file\n"))
-    assert resolve_api_key(args, environ={API_KEY_ENV: "from-env"}) == "from-flag"
+    assert resolve_api_key(args) == "from-flag"
 
 
 def test_missing_key_file_is_a_clear_error(tmp_path: Path) -> None:
     missing = tmp_path / "nope"
     with pytest.raises(ApiKeyError, match=r"--api-key-file .*nope: cannot read it"):
-        resolve_api_key(ServerArgs(api_key_file=str(missing)), environ={})
+        resolve_api_key(ServerArgs(api_key_file=str(missing)))
 
 
 @pytest.mark.parametrize("text", ["", "\n", "   \nkey-on-line-two\n"])
-def test_empty_key_file_is_a_clear_error(tmp_path: Path, text: str) -> None:
+def test_empty_key_file_is_a_clear_error(
+    tmp_path: Path, text: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(API_KEY.name, KEY)  # the file, once named, is not skipped for it
     with pytest.raises(ApiKeyError, match="first line is empty"):
-        resolve_api_key(ServerArgs(api_key_file=key_file(tmp_path, text)), environ={KEY: KEY})
+        resolve_api_key(ServerArgs(api_key_file=key_file(tmp_path, text)))

@@ -102,7 +102,7 @@ def assert_idle_and_clean(driver: Any) -> None:
 def first_token_order(driver: Any) -> list[str]:
     """Record the order in which requests produce their first token."""
     order: list[str] = []
-    sink = driver.scheduler.output.sink
+    sink = driver.scheduler.emitter.sink
 
     def record(batch: BatchTokenIDOut) -> None:
         for out in batch.outputs:
@@ -110,5 +110,5 @@ def first_token_order(driver: Any) -> list[str]:
                 order.append(out.rid)
         sink(batch)
 
-    driver.scheduler.output.sink = record
+    driver.scheduler.emitter.sink = record
     return order

@@ -53,8 +53,8 @@ def test_batch_token_id_out_pickles() -> None:
 def test_scheduler_output_has_logprobs_only_when_asked() -> None:
     driver = InProcessDriver(ServerArgs(), worker=ScriptedWorker(), tokenizer=None)
     batches: list[BatchTokenIDOut] = []
-    sink = driver.scheduler.output.sink
-    driver.scheduler.output.sink = lambda b: (batches.append(b), sink(b))
+    sink = driver.scheduler.emitter.sink
+    driver.scheduler.emitter.sink = lambda b: (batches.append(b), sink(b))
     params = SamplingParams(max_new_tokens=4, temperature=0)
     plain = driver.submit([1, 2, 3, 4], params, stream=True)[0]
     with_lp = driver.submit([5, 6, 7], params, stream=True, return_logprob=True)[0]

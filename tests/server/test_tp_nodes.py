@@ -21,7 +21,7 @@ import pytest
 import requests
 
 from managers.io_struct import MemoryIntegrity, SchedulerState
-from managers.tokenizer_manager import combined_memory_integrity as combined
+from managers.server_status import combined_memory_integrity as combined
 from srt.entrypoints.subprocesses import root_cause
 from srt.utils.process import TP_PEER_LOST_EXIT_CODE
 from tests.server.server_process import ServerProcess, alive, child_pids, die_with_parent, free_port

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from managers.model_worker import TEST_HANG_AT_FORWARD_ENV
 from srt.entrypoints.serve import HEARTBEAT_KILL_GRACE_S
+from srt.environ import TEST_HANG_AT_FORWARD
 from srt.utils.process import WATCHDOG_EXIT_CODE
 from tests.server.server_process import ServerProcess, alive
 
@@ -50,7 +50,7 @@ def health(url: str) -> int | None:
 
 
 def test_hung_forward_fails_health_and_exits_nonzero(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv(TEST_HANG_AT_FORWARD_ENV, "1")  # the server inherits the environment
+    monkeypatch.setenv(TEST_HANG_AT_FORWARD.name, "1")  # the server inherits the environment
     log = tmp_path / "server.log"
     srv = start_server(log)
     try:

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from srt.configs.model_config import ModelConfig
+from srt.environ import CACHE_DIR
 from srt.model_loader import default_model, gguf_convert, loader
 from srt.model_loader.default_model import INSTALL_COMMAND, ModelNotFoundError
 
@@ -65,9 +66,9 @@ def test_package_without_gguf_errors(monkeypatch: pytest.MonkeyPatch, tmp_path: 
 
 
 def test_cache_root_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.delenv(gguf_convert.CACHE_DIR_ENV, raising=False)
+    monkeypatch.delenv(CACHE_DIR.name, raising=False)
     assert gguf_convert.cache_root() == Path.home() / ".cache" / "radixrt"
-    monkeypatch.setenv(gguf_convert.CACHE_DIR_ENV, str(tmp_path / "env"))
+    monkeypatch.setenv(CACHE_DIR.name, str(tmp_path / "env"))
     assert gguf_convert.cache_root() == tmp_path / "env"
     assert gguf_convert.cache_root(tmp_path / "arg") == tmp_path / "arg"
 

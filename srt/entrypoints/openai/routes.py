@@ -1,4 +1,5 @@
-"""Mounts the OpenAI-compatible routes on the server's FastAPI app.
+"""The OpenAI-compatible routes: `/v1/models`, `/v1/models/{model}`, `/v1/completions`,
+`/v1/chat/completions`, one `APIRouter` that `register_openai_routes` mounts.
 
 Bodies are parsed here with orjson (not by FastAPI) so malformed JSON and invalid fields
 answer 400 in our error shape even where `install_error_handlers` is not installed.
@@ -9,9 +10,10 @@ A model card names the model as it is served (`--served-model-name`), never its 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from pydantic import ValidationError
 
 from managers.errors import RequestError
@@ -21,7 +23,7 @@ from srt.entrypoints.http_errors import (
     request_error_from_validation,
     request_error_response,
 )
-from srt.entrypoints.openai.protocol import ModelCard
+from srt.entrypoints.openai.responses import ModelCard
 from srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from srt.entrypoints.openai.serving_utils import TokenizerManagerLike, check_model, now
@@ -40,36 +42,61 @@ async def _serve(handler: Handler, request: Request) -> Response:
         return request_error_response(request_error_from_validation(err))
 
 
+@dataclass(frozen=True, slots=True)
+class OpenAIHandlers:
+    """What the OpenAI routes serve with, kept on `app.state.openai`."""
+
+    tm: TokenizerManagerLike
+    completions: OpenAIServingCompletion
+    chat: OpenAIServingChat
+
+    def model_card(self) -> ModelCard:
+        name = self.tm.served_model_name
+        return ModelCard(id=name, created=now(), root=name, max_model_len=self.tm.context_len)
+
+
+def get_handlers(request: Request) -> OpenAIHandlers:
+    return request.app.state.openai
+
+
+HandlersDep = Annotated[OpenAIHandlers, Depends(get_handlers)]
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def list_models(handlers: HandlersDep) -> Response:
+    return json_response({"object": "list", "data": [handlers.model_card()]})
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, handlers: HandlersDep) -> Response:
+    try:
+        check_model(handlers.tm, model)
+    except RequestError as err:
+        return request_error_response(err)
+    return json_response(handlers.model_card())
+
+
+@router.post("/v1/completions")
+async def create_completion(request: Request, handlers: HandlersDep) -> Response:
+    return await _serve(handlers.completions.handle, request)
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: Request, handlers: HandlersDep) -> Response:
+    return await _serve(handlers.chat.handle, request)
+
+
 def register_openai_routes(
     app: FastAPI,
     tm: TokenizerManagerLike,
     max_batch_size: int = ServerArgs.max_batch_size,
     tools: ServerToolConfig | None = None,
 ) -> None:
-    completions = OpenAIServingCompletion(tm, max_batch_size)
+    """Keep the handlers on `app.state` and mount `router`."""
     # n alone is held to the limit by the tokenizer manager
-    chat = OpenAIServingChat(tm, tools)
-
-    def model_card() -> ModelCard:
-        name = tm.served_model_name
-        return ModelCard(id=name, created=now(), root=name, max_model_len=tm.context_len)
-
-    @app.get("/v1/models")
-    async def list_models() -> Response:
-        return json_response({"object": "list", "data": [model_card()]})
-
-    @app.get("/v1/models/{model:path}")
-    async def retrieve_model(model: str) -> Response:
-        try:
-            check_model(tm, model)
-        except RequestError as err:
-            return request_error_response(err)
-        return json_response(model_card())
-
-    @app.post("/v1/completions")
-    async def create_completion(request: Request) -> Response:
-        return await _serve(completions.handle, request)
-
-    @app.post("/v1/chat/completions")
-    async def create_chat_completion(request: Request) -> Response:
-        return await _serve(chat.handle, request)
+    app.state.openai = OpenAIHandlers(
+        tm, OpenAIServingCompletion(tm, max_batch_size), OpenAIServingChat(tm, tools)
+    )
+    app.include_router(router)

@@ -25,12 +25,11 @@ from managers.errors import RequestError
 from managers.io_struct import GenerateReqInput
 from srt.entrypoints.http_errors import json_response
 from srt.entrypoints.openai.logprobs import chat_logprobs, take
-from srt.entrypoints.openai.protocol import (
+from srt.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from srt.entrypoints.openai.responses import (
     ChatChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatMessage,
     ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,

@@ -17,12 +17,8 @@ from managers.io_struct import GenerateReqInput
 from managers.validation import check_batch_size
 from srt.entrypoints.http_errors import json_response
 from srt.entrypoints.openai.logprobs import completion_logprobs, take
-from srt.entrypoints.openai.protocol import (
-    CompletionChoice,
-    CompletionRequest,
-    CompletionResponse,
-    PromptField,
-)
+from srt.entrypoints.openai.protocol import CompletionRequest, PromptField
+from srt.entrypoints.openai.responses import CompletionChoice, CompletionResponse
 from srt.entrypoints.openai.serving_utils import (
     TokenizerManagerLike,
     UsageTracker,

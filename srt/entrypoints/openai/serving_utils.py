@@ -27,12 +27,8 @@ from fastapi import Request, Response
 from managers.errors import RequestError
 from managers.io_struct import GenerateReqInput
 from srt.entrypoints.http_errors import sse_error_event
-from srt.entrypoints.openai.protocol import (
-    PromptTokensDetails,
-    ResponseFormat,
-    SamplingRequest,
-    UsageInfo,
-)
+from srt.entrypoints.openai.protocol import ResponseFormat, SamplingRequest
+from srt.entrypoints.openai.responses import PromptTokensDetails, UsageInfo
 from srt.entrypoints.sse import SSE_DONE, sse_event, start_sse
 
 logger = logging.getLogger(__name__)

@@ -26,12 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from managers.errors import RequestError
-from srt.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    DeltaToolCall,
-    FunctionCallOut,
-    NamedToolChoice,
-)
+from srt.entrypoints.openai.protocol import ChatCompletionRequest, NamedToolChoice
+from srt.entrypoints.openai.responses import DeltaToolCall, FunctionCallOut
 from srt.entrypoints.openai.serving_utils import json_schema_source
 from srt.function_call import (
     TOOL_PARSERS,

@@ -1,0 +1,125 @@
+"""SGLang's native API: `/generate`, `/abort_request`, `/flush_cache`, `/tokenize`,
+`/detokenize`.
+
+Handlers reach the `TokenizerManager` and `ServerArgs` through `app_state` dependencies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+
+from managers.errors import RequestError
+from srt.entrypoints.app_state import ServerArgsDep, TokenizerManagerDep
+from srt.entrypoints.http_errors import json_response, read_json_body, sse_error_event
+from srt.entrypoints.native_protocol import generate_all, parse_generate, stream_all
+from srt.entrypoints.sse import SSE_DONE, sse_event, start_sse
+
+router = APIRouter()
+
+
+async def sse_stream(items: AsyncGenerator[Any, None]) -> AsyncGenerator[bytes, None]:
+    """Native streaming: each cumulative output as one event, then [DONE]. A refusal before
+    the first event raises (`start_sse` answers it with a plain error when it can); an abort
+    or a failure after it becomes an error event."""
+    started = False
+    async with contextlib.aclosing(items):
+        try:
+            async for item in items:
+                reason = item["meta_info"].get("finish_reason") or {}
+                if reason.get("type") == "abort" and reason.get("status_code"):
+                    # Refused or failed (not a user's abort): an error event, as OpenAI does.
+                    yield sse_error_event(reason["message"], reason["status_code"])
+                    break
+                started = True
+                yield sse_event(item)
+        except RequestError as e:
+            if not started:
+                raise
+            yield sse_error_event(e.message, e.status_code, e.param)
+    yield SSE_DONE
+
+
+@router.post("/generate")
+async def generate(
+    request: Request, tm: TokenizerManagerDep, server_args: ServerArgsDep
+) -> Response:
+    body = await read_json_body(request)
+    objs, is_batch = parse_generate(body, server_args.max_batch_size)
+    if not objs[0].stream:
+        return json_response(await generate_all(tm, objs, is_batch, request))
+    # Errors before the first output are plain 4xx / 503, unless it is queued for long.
+    return await start_sse(sse_stream(stream_all(tm, objs, is_batch, request)))
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(tm: TokenizerManagerDep) -> Response:
+    out = await tm.flush_cache()
+    return Response(out.message, status_code=200 if out.success else 400)
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request, tm: TokenizerManagerDep) -> Response:
+    body = await read_json_body(request)
+    rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
+    if not isinstance(rid, str) or not isinstance(abort_all, bool):
+        raise RequestError("`rid` must be a string and `abort_all` a boolean.", "rid")
+    if not rid and not abort_all:
+        raise RequestError("Give `rid` or `abort_all: true`.", param="rid")
+    tm.abort_request(rid, abort_all)
+    return Response(status_code=200)
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request, tm: TokenizerManagerDep) -> Response:
+    body = await read_json_body(request)
+    prompt = body.get("prompt", body.get("text"))
+    add_special = body.get("add_special_tokens", True)
+    if tm.tokenizer is None:
+        raise RequestError("This server has no tokenizer.", status_code=400)
+    texts = prompt if isinstance(prompt, list) else [prompt]
+    if not texts or not all(isinstance(t, str) for t in texts):
+        raise RequestError("`prompt` must be a string or a list of strings.", "prompt")
+    if not isinstance(add_special, bool):
+        raise RequestError("`add_special_tokens` must be a boolean.", "add_special_tokens")
+    ids = await tm.off_loop(
+        lambda: [tm.tokenizer.encode(t, add_special_tokens=add_special) for t in texts]
+    )
+    one = not isinstance(prompt, list)
+    return json_response(
+        {
+            "tokens": ids[0] if one else ids,
+            "count": len(ids[0]) if one else [len(x) for x in ids],
+            "max_model_len": tm.context_len,
+        }
+    )
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request, tm: TokenizerManagerDep) -> Response:
+    body = await read_json_body(request)
+    tokens = body.get("tokens")
+    skip = body.get("skip_special_tokens", False)
+    if tm.tokenizer is None:
+        raise RequestError("This server has no tokenizer.", status_code=400)
+    batch = isinstance(tokens, list) and bool(tokens) and isinstance(tokens[0], list)
+    seqs = tokens if batch else [tokens]
+
+    def decode() -> list[str] | None:
+        ok = isinstance(tokens, list) and all(
+            isinstance(s, list) and all(isinstance(t, int) and 0 <= t < tm.vocab_size for t in s)
+            for s in seqs
+        )
+        return [tm.tokenizer.decode(s, skip_special_tokens=skip) for s in seqs] if ok else None
+
+    if not isinstance(skip, bool):
+        raise RequestError("`skip_special_tokens` must be a boolean.", "skip_special_tokens")
+    texts = await tm.off_loop(decode)
+    if texts is None:
+        raise RequestError(
+            f"`tokens` must be a list of token ids in [0, {tm.vocab_size}).", "tokens"
+        )
+    return json_response({"text": texts if batch else texts[0]})
