@@ -1,4 +1,4 @@
-"""A real server's IPC socket files (issue 16, item 7): in one private 0700 directory; a
+"""A real server's IPC socket files: in one private 0700 directory; a
 `kill -9` of the main process leaves that directory, the next start removes it, and a
 normal stop leaves nothing."""
 
