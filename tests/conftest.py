@@ -8,6 +8,7 @@ import os
 import shlex
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,6 +37,25 @@ def default_model_path() -> str:
     from srt.model_loader.loader import resolve_model_path
 
     return resolve_model_path(None)
+
+
+@pytest.fixture(scope="session")
+def default_worker() -> Any:
+    """One float32 model worker of the default model for the in-process tests that run it,
+    each through `tests.engine.shared_worker.driver_on`: loading and prepacking the model
+    takes seconds each time on a small CPU."""
+    from managers.model_worker import ModelWorker
+    from srt.server_args import ServerArgs
+
+    return ModelWorker(ServerArgs(dtype="float32", max_total_tokens=16384))
+
+
+@pytest.fixture(scope="session")
+def default_hf_reference(default_model_path: str) -> Any:
+    """HF's greedy tokens of the default model for `DEFAULT_TEXTS`, generated once."""
+    from tests.engine.hf_reference import DefaultModelReference
+
+    return DefaultModelReference(default_model_path)
 
 
 # Resident memory a run of tests may add before the collector runs: one small model's worth.

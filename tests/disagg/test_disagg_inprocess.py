@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import socket
 import time
+from typing import Any
 
 import pytest
 
 from disagg.base import KVPoll, slot_runs
 from managers.inprocess import InProcessDriver
 from srt.server_args import ServerArgs
+from tests.engine.shared_worker import driver_on
 
 pytestmark = pytest.mark.slow
 
@@ -67,9 +69,9 @@ def run_pair(prefill, decode, port, texts, params=PARAMS, send_to_prefill=True, 
 
 
 @pytest.fixture(scope="module")
-def reference() -> list[list[int]]:
-    agg = InProcessDriver(ServerArgs(dtype="float32", max_total_tokens=8192))
-    return [o["output_ids"] for o in agg.generate(TEXTS, PARAMS)]
+def reference(default_worker: Any) -> list[list[int]]:
+    with driver_on(default_worker, max_total_tokens=8192) as agg:
+        return [o["output_ids"] for o in agg.generate(TEXTS, PARAMS)]
 
 
 @pytest.mark.parametrize(
