@@ -9,12 +9,12 @@ import torch
 VOCAB = 512
 
 
-def tiny_config(arch: str, num_kv_heads: int = 2):
+def tiny_config(arch: str, num_kv_heads: int = 2, vocab: int = VOCAB):
     """A 2-layer config of `arch` with 4 query heads over `num_kv_heads` KV heads."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = {
-        "vocab_size": VOCAB,
+        "vocab_size": vocab,
         "hidden_size": 64,
         "intermediate_size": 128,
         "num_hidden_layers": 2,
@@ -23,7 +23,7 @@ def tiny_config(arch: str, num_kv_heads: int = 2):
         "max_position_embeddings": 1024,
         # Wide weights give well-separated logits, so greedy ties are rare.
         "initializer_range": 0.3,
-        "eos_token_id": VOCAB - 1,
+        "eos_token_id": vocab - 1,
         "bos_token_id": 1,
         "dtype": "float32",
     }
@@ -46,12 +46,15 @@ def tiny_config(arch: str, num_kv_heads: int = 2):
     raise ValueError(arch)
 
 
-def save_tiny_model(arch: str, folder: Path, seed: int = 0, num_kv_heads: int = 2) -> Path:
-    """Build a random HF model of `arch` and save it as an HF folder (no tokenizer)."""
+def save_tiny_model(
+    arch: str, folder: Path, seed: int = 0, num_kv_heads: int = 2, vocab: int = VOCAB
+) -> Path:
+    """Build a random HF model of `arch` and save it as an HF folder (no tokenizer; with
+    `vocab` the default model's, a server can take that model's with --tokenizer-path)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = tiny_config(arch, num_kv_heads=num_kv_heads)
+    config = tiny_config(arch, num_kv_heads=num_kv_heads, vocab=vocab)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(folder)
     return folder
