@@ -40,6 +40,17 @@ def default_model_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_served_model(tmp_path_factory: pytest.TempPathFactory, default_model_path: str) -> str:
+    """A tiny random Llama with the default model's tokenizer, for server tests of plumbing
+    (flags, processes, files, benchmark clients) that need neither a real model's outputs
+    nor its pace: its server starts without loading and prepacking the default model."""
+    from tests.engine.tiny_models import save_tiny_model_with_tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-served-model")
+    return str(save_tiny_model_with_tokenizer(folder, default_model_path))
+
+
+@pytest.fixture(scope="session")
 def default_worker() -> Any:
     """One float32 model worker of the default model for the in-process tests that run it,
     each through `tests.engine.shared_worker.driver_on`: loading and prepacking the model

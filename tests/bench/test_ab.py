@@ -6,39 +6,24 @@ from __future__ import annotations
 
 import json
 import shlex
-import shutil
 from pathlib import Path
 
 import pytest
 
 from bench import ab
-from tests.engine.tiny_models import save_tiny_model
 
 pytestmark = pytest.mark.slow
 
-DEFAULT_VOCAB = 49152  # the default model's tokenizer
 
-
-def tiny_model_with_tokenizer(folder: Path, tokenizer_from: str) -> Path:
-    """A tiny random Llama beside the default model's tokenizer files (the benchmark client
-    loads the tokenizer of the folder the server names)."""
-    save_tiny_model("llama", folder, vocab=DEFAULT_VOCAB)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(tokenizer_from) / name, folder / name)
-    return folder
-
-
-def test_ab_radix_preset(tmp_path: Path, default_model_path: str) -> None:
-    model = tiny_model_with_tokenizer(tmp_path / "tiny-llama", default_model_path)
+def test_ab_radix_preset(tmp_path: Path, tiny_served_model: str) -> None:
     server_args = shlex.join(
-        ["--model-path", str(model), "--dtype", "float32", "--max-total-tokens", "8192"]
+        ["--model-path", tiny_served_model, "--dtype", "float32", "--max-total-tokens", "8192"]
     )
-    out_dir = tmp_path / "ab"
     record = ab.main(
         [
             "--preset", "radix",
             "--server-args", server_args,
-            "--out-dir", str(out_dir),
+            "--out-dir", str(tmp_path),
             "--dataset-name", "generated-shared-prefix",
             "--gsp-num-groups", "2",
             "--gsp-prompts-per-group", "3",
@@ -54,11 +39,11 @@ def test_ab_radix_preset(tmp_path: Path, default_model_path: str) -> None:
         assert res["completed"] == 6 and res["failed"] == 0
         assert res["total_output_tokens"] == 6 * 8 and len(res["ttfts_s"]) == 6
     assert off["prefix_cache_hit_rate"] == 0.0 and on["prefix_cache_hit_rate"] > 0.3
-    saved = json.loads((out_dir / "ab.json").read_text())
+    saved = json.loads((tmp_path / "ab.json").read_text())
     assert {r["metric"] for r in saved["ratios"]} >= {"duration", "mean_ttft_ms"}
     for png in ("ttft_cdf.png", "throughput.png"):
-        assert (out_dir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (out_dir / "server-radix-on.log").exists()
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "server-radix-on.log").exists()
 
 
 @pytest.mark.parametrize("flag", ["--backend", "--backend=openai"])

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
 
 VOCAB = 512
+DEFAULT_MODEL_VOCAB = 49152  # the default model's tokenizer
 
 
 def tiny_config(arch: str, num_kv_heads: int = 2, vocab: int = VOCAB):
@@ -57,4 +59,14 @@ def save_tiny_model(
     config = tiny_config(arch, num_kv_heads=num_kv_heads, vocab=vocab)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(folder)
+    return folder
+
+
+def save_tiny_model_with_tokenizer(folder: Path, tokenizer_from: str) -> Path:
+    """A tiny random Llama with the vocabulary of the model at `tokenizer_from` and a copy
+    of its tokenizer files: a server of it takes text, and clients that load the tokenizer
+    of the folder the server names find one."""
+    save_tiny_model("llama", folder, vocab=DEFAULT_MODEL_VOCAB)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(tokenizer_from) / name, folder / name)
     return folder
