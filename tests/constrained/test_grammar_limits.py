@@ -1,4 +1,4 @@
-"""Grammar hardening (issue 15, item 5): caps on size, nesting and properties checked before a
+"""Grammar hardening: caps on size, nesting and properties checked before a
 compile, several compile threads with one kept for small grammars, and compiles nobody waits
 for any more cancelled. Orderings are compared, never absolute times."""
 

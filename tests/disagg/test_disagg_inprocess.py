@@ -1,6 +1,8 @@
 """Prefill/decode disaggregation with both schedulers in this process (no HTTP): outputs equal
 an aggregated run, for the loopback and mooncake backends and both event loops; failures
-finish requests with errors and free every slot on both sides."""
+finish requests with errors and free every slot on both sides. A tiny random model with the
+default tokenizer: the KV's path is checked, for which a real model's weights add nothing
+but load time (the PD router tests run the default model)."""
 
 from __future__ import annotations
 
@@ -32,11 +34,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="module")
+def model(tiny_served_model: str) -> str:
+    return tiny_served_model
+
+
 def pair(
-    backend: str, overlap: bool = True, **extra
+    model: str, backend: str, overlap: bool = True, **extra
 ) -> tuple[InProcessDriver, InProcessDriver, int]:
     port = free_port()
     common = dict(
+        model_path=model,
         dtype="float32",
         max_total_tokens=8192,
         disaggregation_transfer_backend=backend,
@@ -67,18 +75,20 @@ def run_pair(prefill, decode, port, texts, params=PARAMS, send_to_prefill=True, 
 
 
 @pytest.fixture(scope="module")
-def reference() -> list[list[int]]:
-    agg = InProcessDriver(ServerArgs(dtype="float32", max_total_tokens=8192))
+def reference(model: str) -> list[list[int]]:
+    agg = InProcessDriver(ServerArgs(model_path=model, dtype="float32", max_total_tokens=8192))
     return [o["output_ids"] for o in agg.generate(TEXTS, PARAMS)]
 
 
 @pytest.mark.parametrize(
     ("backend", "overlap"), [("loopback", True), ("loopback", False), ("mooncake", True)]
 )
-def test_disaggregated_equals_aggregated(reference, backend: str, overlap: bool) -> None:
+def test_disaggregated_equals_aggregated(
+    model: str, reference, backend: str, overlap: bool
+) -> None:
     if backend == "mooncake":
         pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine-non-cuda")
-    prefill, decode, port = pair(backend, overlap)
+    prefill, decode, port = pair(model, backend, overlap)
     outs = run_pair(prefill, decode, port, TEXTS)
     assert [o["output_ids"] for o in outs] == reference
     assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
@@ -90,12 +100,12 @@ def test_disaggregated_equals_aggregated(reference, backend: str, overlap: bool)
     assert again[0]["output_ids"] == reference[0]
 
 
-def test_missing_prefill_times_out_and_frees(reference) -> None:
+def test_missing_prefill_times_out_and_frees(model: str, reference) -> None:
     """No prefill server answers: the decode side gives up after the timeout, quarantines the
     pre-allocated slots until the quarantine bound (nobody acknowledges), frees them, and then
     serves ordinary (aggregated) requests."""
     _, decode, port = pair(
-        "loopback", disaggregation_timeout=1.0, disaggregation_quarantine_timeout=1.0
+        model, "loopback", disaggregation_timeout=1.0, disaggregation_quarantine_timeout=1.0
     )
     tic = time.monotonic()
     outs = run_pair(None, decode, port, TEXTS[:2], send_to_prefill=False)
@@ -112,8 +122,8 @@ def test_missing_prefill_times_out_and_frees(reference) -> None:
     assert decode.generate(TEXTS[:1], PARAMS)[0]["output_ids"] == reference[0]
 
 
-def test_prefill_without_decode_times_out() -> None:
-    prefill, _, _ = pair("loopback", disaggregation_timeout=0.5)
+def test_prefill_without_decode_times_out(model: str) -> None:
+    prefill, _, _ = pair(model, "loopback", disaggregation_timeout=0.5)
     [rid] = prefill.submit(None, dict(PARAMS), text=TEXTS[0], bootstrap=("127.0.0.1", 1, 7))
     prefill.run_until_idle()
     reason = prefill.result(rid)["meta_info"]["finish_reason"]
@@ -121,10 +131,10 @@ def test_prefill_without_decode_times_out() -> None:
     prefill.scheduler.check_memory()
 
 
-def test_abort_while_waiting_for_kv_frees_slots() -> None:
+def test_abort_while_waiting_for_kv_frees_slots(model: str) -> None:
     """The slots were announced to the prefill server: they stay quarantined until it
     acknowledges the cancel, then are free (tests/disagg/test_pd_cancel.py has the races)."""
-    prefill, decode, port = pair("loopback", disaggregation_timeout=30.0)
+    prefill, decode, port = pair(model, "loopback", disaggregation_timeout=30.0)
     [rid] = decode.submit(None, dict(PARAMS), text=TEXTS[3], bootstrap=("127.0.0.1", port, 42))
     decode.step()
     assert decode.scheduler.disagg.transfer_queue  # slots held, waiting for the prefill side

@@ -1,7 +1,12 @@
 """End to end behind sglang-router's PD mode: a prefill server, a decode server and the
-router, with mooncake (TCP) and with nixl (UCX). Greedy outputs equal a single aggregated
-server's; concurrent streams complete; killing the prefill server fails in-flight requests
-in bounded time and the decode server keeps serving."""
+router, with mooncake (TCP) and with nixl (UCX). Greedy outputs equal an aggregated run's;
+concurrent streams complete; killing the prefill server fails in-flight requests in bounded
+time and the decode server keeps serving.
+
+The mooncake cluster runs the default model (the kill needs prefills slow enough to be
+caught in flight), compared with the session's server; the nixl cluster a tiny random model
+with the default tokenizer, whose servers start without loading and prepacking the default
+model, compared with the same model in this process."""
 
 from __future__ import annotations
 
@@ -37,7 +42,11 @@ def cluster(request, tmp_path_factory):
     module = {"mooncake": "mooncake.engine", "nixl": "nixl._api"}[request.param]
     pytest.importorskip(module, reason=f"{request.param} is not installed")
     pytest.importorskip("sglang_router")
-    c = PDCluster(request.param, tmp_path_factory.mktemp(f"pd-{request.param}"), *TIMEOUTS)
+    model = []
+    if request.param == "nixl":
+        model = ["--model-path", request.getfixturevalue("tiny_served_model")]
+    log_dir = tmp_path_factory.mktemp(f"pd-{request.param}")
+    c = PDCluster(request.param, log_dir, *TIMEOUTS, *model)
     yield c
     c.stop()
 
@@ -50,16 +59,24 @@ def generate(url: str, text: str, params: dict) -> dict:
     return r.json()
 
 
-@pytest.fixture(scope="module")
-def aggregated(url: str) -> list[dict]:
-    """The single server's greedy outputs, computed once for both transfer backends."""
-    return [generate(url, t, GREEDY) for t in TEXTS]
+def aggregated(request: pytest.FixtureRequest, backend: str) -> list[dict]:
+    """Greedy outputs of an aggregated run of the cluster's model: the session's server for
+    the default model, an in-process driver for the tiny one."""
+    if backend == "mooncake":
+        url = request.getfixturevalue("url")
+        return [generate(url, t, GREEDY) for t in TEXTS]
+    from managers.inprocess import InProcessDriver
+    from srt.server_args import ServerArgs
+
+    model = request.getfixturevalue("tiny_served_model")
+    driver = InProcessDriver(ServerArgs(model_path=model, dtype="float32"))
+    return driver.generate(TEXTS, GREEDY)
 
 
-def test_greedy_equals_aggregated(cluster: PDCluster, aggregated: list[dict]) -> None:
+def test_greedy_equals_aggregated(cluster: PDCluster, request: pytest.FixtureRequest) -> None:
     with cf.ThreadPoolExecutor(8) as pool:
         pd = list(pool.map(lambda t: generate(cluster.url, t, GREEDY), TEXTS))
-    agg = aggregated
+    agg = aggregated(request, cluster.backend)
     assert [o["output_ids"] for o in pd] == [o["output_ids"] for o in agg]
     assert [o["text"] for o in pd] == [o["text"] for o in agg]
     for srv in (cluster.prefill, cluster.decode):

@@ -5,6 +5,18 @@ from __future__ import annotations
 import torch
 
 NEAR_TIE = 1e-4
+# Prompts of the default model's HF comparisons (engine, HTTP), and how far HF generates them.
+DEFAULT_TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea, there lived",
+    "List three primary colors:",
+    "1, 2, 3, 4, 5,",
+    "Translate to French: I like apples.",
+    "The quick brown fox jumps over the lazy dog. " * 6,
+    "Photosynthesis is the process by which plants",
+]
+DEFAULT_NEW_TOKENS = 64
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
@@ -55,3 +67,35 @@ def assert_greedy_equal(model, prompt: list[int], ours: list[int], ref: list[int
             f"HF top-2 logit gap {gap:.3g} is not a near-tie"
         )
         return
+
+
+class DefaultModelReference:
+    """HF's greedy tokens of the default model (float32) for `DEFAULT_TEXTS`, generated in one
+    batch when built; the model itself is dropped and loaded again only if a comparison
+    needs its logits (a difference to check for a near-tie)."""
+
+    def __init__(self, model_path: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.model_path = model_path
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.prompts = {text: tokenizer.encode(text) for text in DEFAULT_TEXTS}
+        model = self._load()
+        refs = hf_greedy_batch(model, list(self.prompts.values()), DEFAULT_NEW_TOKENS)
+        self.refs = dict(zip(DEFAULT_TEXTS, refs, strict=True))
+        self._model = None
+
+    def _load(self):
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).eval()
+
+    def assert_greedy_equal(self, text: str, ours: list[int]) -> None:
+        """`ours` (at most `DEFAULT_NEW_TOKENS` greedy tokens of `text`) equals HF's prefix,
+        but after a near-tie."""
+        ref = self.refs[text][: len(ours)]
+        if ours == ref:
+            return
+        if self._model is None:
+            self._model = self._load()
+        assert_greedy_equal(self._model, self.prompts[text], ours, ref)

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 
 from managers.inprocess import InProcessDriver
-from srt.server_args import ServerArgs
+from tests.engine.shared_worker import driver_on
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def driver() -> InProcessDriver:
-    return InProcessDriver(ServerArgs(dtype="float32", max_total_tokens=16384))
+def driver(default_worker: Any) -> Iterator[InProcessDriver]:
+    with driver_on(default_worker, max_total_tokens=16384) as d:
+        yield d
 
 
 def test_loads_with_no_arguments(driver: InProcessDriver) -> None:

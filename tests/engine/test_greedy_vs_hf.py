@@ -8,13 +8,20 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from managers.inprocess import InProcessDriver
 from srt.server_args import ServerArgs
-from tests.engine.hf_reference import assert_greedy_equal, hf_greedy, hf_greedy_batch
+from tests.engine.hf_reference import (
+    DEFAULT_TEXTS,
+    DefaultModelReference,
+    assert_greedy_equal,
+    hf_greedy,
+)
+from tests.engine.shared_worker import release
 from tests.engine.tiny_models import VOCAB, save_tiny_model
 
 NEW_TOKENS = 64
@@ -27,11 +34,16 @@ def mixed_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def run_engine(
-    model_path: str, prompts: list[list[int]], modes: list | None = None, **args
+    model_path: str,
+    prompts: list[list[int]],
+    modes: list | None = None,
+    worker: Any = None,
+    **args,
 ) -> list[list[int]]:
     """Greedy outputs of the engine; the forward modes it ran are appended to `modes`. Unless
     the caller sets a budget or a chunk size, every prompt goes into one prefill batch (the
-    CPU default budget, 384 tokens, would split the mixed prompts: 613 tokens)."""
+    CPU default budget, 384 tokens, would split the mixed prompts: 613 tokens). On a shared
+    `worker`, the driver is released afterwards for the next user."""
     one_batch = "chunked_prefill_size" not in args and "max_prefill_tokens" not in args
     if one_batch:
         args["max_prefill_tokens"] = 4096
@@ -42,7 +54,7 @@ def run_engine(
         max_total_tokens=8192,
         **args,
     )
-    driver = InProcessDriver(server_args)
+    driver = InProcessDriver(server_args, worker=worker)
     modes = [] if modes is None else modes
     forward = driver.worker.forward_batch_generation
 
@@ -51,12 +63,17 @@ def run_engine(
         return forward(mwb)
 
     driver.worker.forward_batch_generation = recording_forward
-    outs = driver.generate(
-        prompts, {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
-    )
-    if one_batch:
-        assert sum(m.is_extend() for m in modes) == 1, "prompts should form one batch"
-    driver.scheduler.check_memory()
+    try:
+        outs = driver.generate(
+            prompts, {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+        )
+        if one_batch:
+            assert sum(m.is_extend() for m in modes) == 1, "prompts should form one batch"
+        driver.scheduler.check_memory()
+    finally:
+        if worker is not None:
+            del driver.worker.forward_batch_generation  # the class's method again
+            release(driver)
     return [o["output_ids"] for o in outs]
 
 
@@ -98,23 +115,11 @@ def test_tiny_model_mixed_batches_keep_greedy(tiny_model) -> None:
 
 
 @pytest.mark.slow
-def test_default_model_greedy_equal_hf(default_model_path: str) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(default_model_path)
-    texts = [
-        "The capital of France is",
-        "def fibonacci(n):",
-        "Once upon a time, in a small village by the sea, there lived",
-        "List three primary colors:",
-        "1, 2, 3, 4, 5,",
-        "Translate to French: I like apples.",
-        "The quick brown fox jumps over the lazy dog. " * 6,
-        "Photosynthesis is the process by which plants",
-    ]
-    prompts = [tok.encode(t) for t in texts]
-    ours = run_engine(default_model_path, prompts)
-    hf = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
-    refs = hf_greedy_batch(hf, prompts, NEW_TOKENS)
-    for prompt, out, ref in zip(prompts, ours, refs, strict=True):
-        assert_greedy_equal(hf, prompt, out, ref)
+def test_default_model_greedy_equal_hf(
+    default_model_path: str, default_worker: Any, default_hf_reference: DefaultModelReference
+) -> None:
+    ref = default_hf_reference
+    prompts = [ref.prompts[t] for t in DEFAULT_TEXTS]
+    ours = run_engine(default_model_path, prompts, worker=default_worker)
+    for text, out in zip(DEFAULT_TEXTS, ours, strict=True):
+        ref.assert_greedy_equal(text, out)

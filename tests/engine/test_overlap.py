@@ -7,31 +7,51 @@ bench_serving's --max-concurrency)."""
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 
 from bench.bench_offline import w1_prompts
 from managers.inprocess import InProcessDriver
 from srt.server_args import ServerArgs
+from tests.engine.shared_worker import release
 
 pytestmark = pytest.mark.slow
 
-
-def driver(overlap: bool, **args) -> InProcessDriver:
-    args.setdefault("max_total_tokens", 16384)  # not 30% of the machine's RAM
-    return InProcessDriver(ServerArgs(disable_overlap_schedule=not overlap, **args))
+POOL_TOKENS = 16384  # not 30% of the machine's RAM
 
 
-def run_w1(overlap: bool) -> list[list[int]]:
-    d = driver(overlap)
-    prompts = w1_prompts(12, 64, 512, d.scheduler.vocab_size, seed=0)
-    outs = d.generate(prompts, {"max_new_tokens": 32, "ignore_eos": True, "temperature": 0})
-    d.scheduler.check_memory()
+@pytest.fixture(scope="module")
+def worker() -> Any:
+    """One model worker for every run here: both loops take its KV pool in turn, so the
+    two runs compared differ in the loop alone (and the model loads once, not four times)."""
+    from managers.model_worker import ModelWorker
+
+    return ModelWorker(ServerArgs(max_total_tokens=POOL_TOKENS))
+
+
+@contextmanager
+def driver(worker: Any, overlap: bool) -> Iterator[InProcessDriver]:
+    args = ServerArgs(max_total_tokens=POOL_TOKENS, disable_overlap_schedule=not overlap)
+    d = InProcessDriver(args, worker=worker)
+    try:
+        yield d
+    finally:
+        release(d)
+
+
+def run_w1(worker: Any, overlap: bool) -> list[list[int]]:
+    with driver(worker, overlap) as d:
+        prompts = w1_prompts(12, 64, 512, d.scheduler.vocab_size, seed=0)
+        outs = d.generate(prompts, {"max_new_tokens": 32, "ignore_eos": True, "temperature": 0})
+        d.scheduler.check_memory()
     return [o["output_ids"] for o in outs]
 
 
-def test_w1_same_tokens_with_and_without_overlap() -> None:
-    assert run_w1(overlap=True) == run_w1(overlap=False)
+def test_w1_same_tokens_with_and_without_overlap(worker: Any) -> None:
+    assert run_w1(worker, overlap=True) == run_w1(worker, overlap=False)
 
 
 def gsp_prompts(vocab: int, groups: int = 4, per_group: int = 4, seed: int = 0) -> list[list[int]]:
@@ -44,27 +64,27 @@ def gsp_prompts(vocab: int, groups: int = 4, per_group: int = 4, seed: int = 0) 
     return prompts
 
 
-def run_w2_small(overlap: bool, concurrency: int = 6) -> list[list[int]]:
+def run_w2_small(worker: Any, overlap: bool, concurrency: int = 6) -> list[list[int]]:
     """Keep `concurrency` requests in flight; a new one arrives when one finishes."""
-    d = driver(overlap, max_total_tokens=16384)
-    prompts = gsp_prompts(d.scheduler.vocab_size)
-    params = {"max_new_tokens": 16, "ignore_eos": True, "temperature": 0}
-    queue = list(enumerate(prompts))
-    live: dict[str, int] = {}
-    outs: dict[int, list[int]] = {}
-    while queue or live:
-        while queue and len(live) < concurrency:
-            i, p = queue.pop(0)
-            [rid] = d.submit(p, dict(params))
-            live[rid] = i
-        d.step()
-        for rid in [r for r in live if d.outputs[r]["meta_info"].get("finish_reason")]:
-            outs[live.pop(rid)] = d.result(rid)["output_ids"]
-    d.run_until_idle()
-    d.scheduler.check_memory()
-    assert d.scheduler.kv.tree.evictable_size() > 0
+    with driver(worker, overlap) as d:
+        prompts = gsp_prompts(d.scheduler.vocab_size)
+        params = {"max_new_tokens": 16, "ignore_eos": True, "temperature": 0}
+        queue = list(enumerate(prompts))
+        live: dict[str, int] = {}
+        outs: dict[int, list[int]] = {}
+        while queue or live:
+            while queue and len(live) < concurrency:
+                i, p = queue.pop(0)
+                [rid] = d.submit(p, dict(params))
+                live[rid] = i
+            d.step()
+            for rid in [r for r in live if d.outputs[r]["meta_info"].get("finish_reason")]:
+                outs[live.pop(rid)] = d.result(rid)["output_ids"]
+        d.run_until_idle()
+        d.scheduler.check_memory()
+        assert d.scheduler.kv.tree.evictable_size() > 0
     return [outs[i] for i in range(len(prompts))]
 
 
-def test_w2_small_same_tokens_with_and_without_overlap() -> None:
-    assert run_w2_small(overlap=True) == run_w2_small(overlap=False)
+def test_w2_small_same_tokens_with_and_without_overlap(worker: Any) -> None:
+    assert run_w2_small(worker, overlap=True) == run_w2_small(worker, overlap=False)

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
 
 VOCAB = 512
+DEFAULT_MODEL_VOCAB = 49152  # the default model's tokenizer
 
 
-def tiny_config(arch: str, num_kv_heads: int = 2):
+def tiny_config(arch: str, num_kv_heads: int = 2, vocab: int = VOCAB):
     """A 2-layer config of `arch` with 4 query heads over `num_kv_heads` KV heads."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = {
-        "vocab_size": VOCAB,
+        "vocab_size": vocab,
         "hidden_size": 64,
         "intermediate_size": 128,
         "num_hidden_layers": 2,
@@ -23,7 +25,7 @@ def tiny_config(arch: str, num_kv_heads: int = 2):
         "max_position_embeddings": 1024,
         # Wide weights give well-separated logits, so greedy ties are rare.
         "initializer_range": 0.3,
-        "eos_token_id": VOCAB - 1,
+        "eos_token_id": vocab - 1,
         "bos_token_id": 1,
         "dtype": "float32",
     }
@@ -46,12 +48,25 @@ def tiny_config(arch: str, num_kv_heads: int = 2):
     raise ValueError(arch)
 
 
-def save_tiny_model(arch: str, folder: Path, seed: int = 0, num_kv_heads: int = 2) -> Path:
-    """Build a random HF model of `arch` and save it as an HF folder (no tokenizer)."""
+def save_tiny_model(
+    arch: str, folder: Path, seed: int = 0, num_kv_heads: int = 2, vocab: int = VOCAB
+) -> Path:
+    """Build a random HF model of `arch` and save it as an HF folder (no tokenizer; with
+    `vocab` the default model's, a server can take that model's with --tokenizer-path)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = tiny_config(arch, num_kv_heads=num_kv_heads)
+    config = tiny_config(arch, num_kv_heads=num_kv_heads, vocab=vocab)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(folder)
+    return folder
+
+
+def save_tiny_model_with_tokenizer(folder: Path, tokenizer_from: str) -> Path:
+    """A tiny random Llama with the vocabulary of the model at `tokenizer_from` and a copy
+    of its tokenizer files: a server of it takes text, and clients that load the tokenizer
+    of the folder the server names find one."""
+    save_tiny_model("llama", folder, vocab=DEFAULT_MODEL_VOCAB)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(tokenizer_from) / name, folder / name)
     return folder

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import orjson
@@ -18,6 +19,13 @@ from srt.entrypoints.http_errors import install_error_handlers
 from srt.entrypoints.openai.routes import register_openai_routes
 
 TIMEOUT_S = 10
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+# The smallest valid body of each route; field tests add one field to it.
+FIELDS_BASE: dict[str, dict[str, Any]] = {
+    CHAT: {"messages": [{"role": "user", "content": "Fields"}], "max_tokens": 4},
+    COMPLETIONS: {"prompt": "Fields", "max_tokens": 4},
+}
 
 
 @contextlib.contextmanager
@@ -77,3 +85,17 @@ def assert_error(resp: requests.Response, status: int, param: str | None = None)
     if param is not None:
         assert error["param"] == param, error
     return error
+
+
+def without_rid(obj: Any) -> dict[str, Any]:
+    """A received request as a dict, less its rid (a fresh response id per request)."""
+    out = dataclasses.asdict(obj)
+    out.pop("rid")
+    return out
+
+
+def sent_fields(base_url: str, tm: Any, route: str, extra: Mapping[str, Any]) -> Any:
+    """POST the route's base body plus `extra`; return the response and what reached `tm`."""
+    tm.reset()
+    resp = post(base_url + route, {**FIELDS_BASE[route], **extra})
+    return resp, list(tm.received)

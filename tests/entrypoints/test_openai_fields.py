@@ -10,9 +10,8 @@ honoured -> 200 and, where it maps to one, the value in the request the double r
 
 from __future__ import annotations
 
-import dataclasses
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,9 +19,7 @@ from openai.types import completion_create_params as completion_params
 from openai.types.chat import completion_create_params as chat_params
 from pydantic import BaseModel
 
-from managers.errors import RequestError
 from managers.io_struct import GenerateReqInput
-from srt.entrypoints.native_protocol import GENERATE_FIELDS, parse_generate
 from srt.entrypoints.openai import fields
 from srt.entrypoints.openai.fields import FieldTable, Treatment
 from srt.entrypoints.openai.protocol import (
@@ -33,14 +30,14 @@ from srt.entrypoints.openai.protocol import (
     TextContentPart,
 )
 from tests.entrypoints.fake_tokenizer_manager import FakeTokenizerManager
-from tests.entrypoints.helpers import assert_error, post
+from tests.entrypoints.helpers import (
+    CHAT,
+    COMPLETIONS,
+    assert_error,
+    sent_fields,
+    without_rid,
+)
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-BASE: dict[str, dict[str, Any]] = {
-    CHAT: {"messages": [{"role": "user", "content": "Fields"}], "max_tokens": 4},
-    COMPLETIONS: {"prompt": "Fields", "max_tokens": 4},
-}
 TABLES: dict[str, FieldTable] = {CHAT: fields.CHAT_FIELDS, COMPLETIONS: fields.COMPLETION_FIELDS}
 MODELS: dict[str, type[BaseModel]] = {CHAT: ChatCompletionRequest, COMPLETIONS: CompletionRequest}
 
@@ -170,19 +167,6 @@ REPRESENTATIVE: dict[str, dict[str, tuple[dict[str, Any], Check | None]]] = {
 }
 
 
-def _without_rid(obj: GenerateReqInput) -> dict[str, Any]:
-    out = dataclasses.asdict(obj)
-    out.pop("rid")  # a fresh response id per request
-    return out
-
-
-def _sent(base_url: str, tm: FakeTokenizerManager, route: str, extra: Mapping[str, Any]) -> Any:
-    """POST the route's base body plus `extra`; return the response and what reached `tm`."""
-    tm.reset()
-    resp = post(base_url + route, {**BASE[route], **extra})
-    return resp, list(tm.received)
-
-
 # ---- the table covers what the client can send, and matches the models ----
 
 
@@ -270,7 +254,7 @@ def test_every_field_has_a_representative_value() -> None:
 def _check_treatment(base_url: str, tm: FakeTokenizerManager, route: str, name: str) -> None:
     rule = TABLES[route][name]
     extra, check = REPRESENTATIVE[route][name]
-    resp, received = _sent(base_url, tm, route, extra)
+    resp, received = sent_fields(base_url, tm, route, extra)
     if rule.treatment is Treatment.REFUSED:
         error = assert_error(resp, 400, name)
         assert rule.why in error["message"]
@@ -279,8 +263,8 @@ def _check_treatment(base_url: str, tm: FakeTokenizerManager, route: str, name: 
     assert resp.status_code == 200, resp.text
     assert received
     if rule.treatment is Treatment.NO_OP:
-        _, plain = _sent(base_url, tm, route, {})
-        assert [_without_rid(o) for o in received] == [_without_rid(o) for o in plain]
+        _, plain = sent_fields(base_url, tm, route, {})
+        assert [without_rid(o) for o in received] == [without_rid(o) for o in plain]
     elif check is not None:
         assert check(received[0]), received[0]
 
@@ -321,17 +305,17 @@ ASKS_FOR_NOTHING = [
 def test_values_that_ask_for_nothing(
     base_url: str, tm: FakeTokenizerManager, route: str, extra: dict[str, Any]
 ) -> None:
-    resp, received = _sent(base_url, tm, route, extra)
+    resp, received = sent_fields(base_url, tm, route, extra)
     assert resp.status_code == 200, resp.text
-    _, plain = _sent(base_url, tm, route, {})
-    assert [_without_rid(o) for o in received] == [_without_rid(o) for o in plain]
+    _, plain = sent_fields(base_url, tm, route, {})
+    assert [without_rid(o) for o in received] == [without_rid(o) for o in plain]
 
 
 def test_best_of_equal_to_n(base_url: str, tm: FakeTokenizerManager) -> None:
-    resp, received = _sent(base_url, tm, COMPLETIONS, {"n": 2, "best_of": 2})
+    resp, received = sent_fields(base_url, tm, COMPLETIONS, {"n": 2, "best_of": 2})
     assert resp.status_code == 200 and received[0].sampling_params["n"] == 2
     error = assert_error(
-        _sent(base_url, tm, COMPLETIONS, {"n": 2, "best_of": 1})[0], 400, "best_of"
+        sent_fields(base_url, tm, COMPLETIONS, {"n": 2, "best_of": 1})[0], 400, "best_of"
     )
     assert "must equal n" in error["message"]
 
@@ -355,160 +339,20 @@ REFUSED_VALUES = [
 def test_refused_values(
     base_url: str, tm: FakeTokenizerManager, route: str, extra: dict[str, Any], param: str
 ) -> None:
-    resp, received = _sent(base_url, tm, route, extra)
+    resp, received = sent_fields(base_url, tm, route, extra)
     assert_error(resp, 400, param)
     assert not received
 
 
 def test_unknown_field_message(base_url: str, tm: FakeTokenizerManager) -> None:
-    error = assert_error(_sent(base_url, tm, CHAT, {"foo": 1})[0], 400, "foo")
+    error = assert_error(sent_fields(base_url, tm, CHAT, {"foo": 1})[0], 400, "foo")
     assert error["message"] == "Unrecognized request field `foo`"
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}, "color": "red"}}]
-    error = assert_error(_sent(base_url, tm, CHAT, {"tools": tools})[0], 400, "tools")
+    error = assert_error(sent_fields(base_url, tm, CHAT, {"tools": tools})[0], 400, "tools")
     assert error["message"] == "Unrecognized request field `tools.0.function.color`"
 
 
 def test_grammar_with_text_format_is_fine(base_url: str, tm: FakeTokenizerManager) -> None:
     extra = {"response_format": {"type": "text"}, "regex": "(yes|no)"}
-    resp, received = _sent(base_url, tm, CHAT, extra)
+    resp, received = sent_fields(base_url, tm, CHAT, extra)
     assert resp.status_code == 200 and received[0].sampling_params["regex"] == "(yes|no)"
-
-
-# ---- nested: a message, its content parts, stream_options ----
-
-ASSISTANT = {"role": "assistant", "content": "Hi!"}
-
-
-def _chat(*messages: dict[str, Any]) -> dict[str, Any]:
-    return {"messages": [*messages, {"role": "user", "content": "Fields"}]}
-
-
-@pytest.mark.parametrize(
-    ("extra", "plain"),
-    [
-        (_chat({**ASSISTANT, "refusal": None}), _chat(ASSISTANT)),
-        (_chat({**ASSISTANT, "refusal": "I can't."}), _chat(ASSISTANT)),
-        (
-            _chat({"role": "user", "content": [{"type": "text", "text": "a",
-                                                "prompt_cache_breakpoint": {}}]}),
-            _chat({"role": "user", "content": [{"type": "text", "text": "a"}]}),
-        ),
-        (
-            {"stream": True, "stream_options": {"include_usage": True, "include_obfuscation": True}},
-            {"stream": True, "stream_options": {"include_usage": True}},
-        ),
-    ],
-)  # fmt: skip
-def test_nested_no_ops(
-    base_url: str, tm: FakeTokenizerManager, extra: dict[str, Any], plain: dict[str, Any]
-) -> None:
-    resp, received = _sent(base_url, tm, CHAT, extra)
-    assert resp.status_code == 200, resp.text
-    _, expected = _sent(base_url, tm, CHAT, plain)
-    assert [_without_rid(o) for o in received] == [_without_rid(o) for o in expected]
-
-
-def _part(kind: str) -> dict[str, Any]:
-    payload = {"image_url": {"url": "http://x/y.png"}, "input_audio": {"data": "", "format": "wav"},
-               "file": {"file_id": "f"}, "refusal": "no"}[kind]  # fmt: skip
-    return {"type": kind, kind: payload}
-
-
-NESTED_REFUSED = [
-    (_chat({**ASSISTANT, "audio": {"id": "a1"}}), "`audio`"),
-    (_chat({**ASSISTANT, "function_call": {"name": "f", "arguments": "{}"}}), "use tool_calls"),
-    (_chat({"role": "user", "content": "x", "color": "red"}), "Unrecognized request field"),
-    (_chat({"role": "user", "content": [{"type": "text", "text": "a", "x": 1}]}), "`x`"),
-    *[
-        (_chat({"role": "user", "content": [_part(kind)]}), f"`{kind}`")
-        for kind, rule in fields.CONTENT_PART_TYPES.items()
-        if rule.treatment is Treatment.REFUSED
-    ],
-]
-
-
-@pytest.mark.parametrize(("extra", "needle"), NESTED_REFUSED)
-def test_nested_refusals_name_messages(
-    base_url: str, tm: FakeTokenizerManager, extra: dict[str, Any], needle: str
-) -> None:
-    resp, received = _sent(base_url, tm, CHAT, extra)
-    error = assert_error(resp, 400, "messages")
-    assert needle in error["message"] and error["message"].startswith("messages.0")
-    assert not received
-
-
-def test_stream_options_unknown_field(base_url: str, tm: FakeTokenizerManager) -> None:
-    extra = {"stream": True, "stream_options": {"include_usage": True, "verbose": True}}
-    error = assert_error(_sent(base_url, tm, COMPLETIONS, extra)[0], 400, "stream_options")
-    assert "verbose" in error["message"]
-
-
-# ---- native /generate ----
-
-
-def _parse(body: dict[str, Any]) -> list[GenerateReqInput]:
-    return parse_generate(body, 64)[0]
-
-
-def test_generate_accepts_what_sglang_clients_send() -> None:
-    bench = {
-        "text": "Hi",
-        "sampling_params": {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True},
-        "stream": True,
-        "lora_path": None,
-        "return_logprob": False,
-        "logprob_start_len": -1,
-        "top_logprobs_num": 0,
-        "return_text_in_logprobs": False,
-        "rid": "r-1",
-    }
-    # What sglang-router's PD mode sends (it re-serializes the body from its own struct).
-    router = {
-        "text": "Hi",
-        "model": None,
-        "sampling_params": {"max_new_tokens": 2},
-        "return_text_in_logprobs": False,
-        "stream": False,
-        "log_metrics": True,
-        "return_hidden_states": False,
-        "background": False,
-        "no_logs": False,
-        "return_bytes": False,
-        "return_entropy": False,
-        "bootstrap_host": "10.0.0.1",
-        "bootstrap_port": 8998,
-        "bootstrap_room": 3,
-    }
-    assert _parse(bench)[0].sampling_params["max_new_tokens"] == 8
-    assert _parse(router)[0].bootstrap == ("10.0.0.1", 8998, 3)
-    assert _parse({"text": "Hi", "timeout": 5.0, "priority": 0})[0].timeout == 5.0
-
-
-@pytest.mark.parametrize(
-    ("body", "param"),
-    [
-        ({"text": "Hi", "foo": 1}, "foo"),
-        ({"text": "Hi", "lora_path": "adapter-a"}, "lora_path"),
-        ({"text": "Hi", "image_data": "http://x/y.png"}, "image_data"),
-        ({"text": "Hi", "return_hidden_states": True}, "return_hidden_states"),
-        ({"text": "Hi", "return_entropy": 0}, "return_entropy"),  # 0 is not false
-        ({"text": "Hi", "log_metrics": "yes"}, "log_metrics"),  # a no-op keeps its type
-        ({"text": "Hi", "sampling_params": {"max_new_tokens": 4, "temprature": 0.5}}, "temprature"),
-        ({"text": ["a", "b"], "sampling_params": [{}, {"best_of": 2}]}, "best_of"),
-    ],
-)
-def test_generate_refuses_unknown_fields(body: dict[str, Any], param: str) -> None:
-    with pytest.raises(RequestError) as info:
-        _parse(body)
-    assert info.value.param == param and info.value.status_code == 400
-    assert param in info.value.message
-
-
-def test_generate_sampling_keys_follow_the_dataclass() -> None:
-    from srt.sampling.sampling_params import SamplingParams
-
-    every = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
-    every.pop("stop_str_max_len")
-    keys = {k: v for k, v in every.items() if v is not dataclasses.MISSING}
-    assert _parse({"text": "Hi", "sampling_params": keys})[0].sampling_params == keys
-    assert all(rule.origin == "sglang" for rule in GENERATE_FIELDS.values())

@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import pickle
 import random
-import subprocess
-import sys
 import threading
 from concurrent.futures import Future
 from typing import Any
 
 import pytest
 import torch
-import zmq
 
 from constrained.base_grammar_backend import BaseGrammarObject, GrammarError, GrammarKey
 from managers.io_struct import (
@@ -41,13 +38,10 @@ from managers.scheduler import Scheduler
 from managers.tp_sync import (
     LocalStepSource,
     StepClock,
-    exit_if_peer_lost,
-    peer_lost,
 )
-from srt.distributed import TPPeerLost
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
-from srt.utils.process import TP_PEER_LOST_EXIT_CODE
+from tests.managers.scripted_io import ScriptedSocket, ScriptedTime
 from tests.managers.scripted_worker import ScriptedWorker
 
 STEP_S = 0.5  # scripted seconds between two steps
@@ -114,29 +108,6 @@ def _finish_compile(key: GrammarKey, future: Future[Any]) -> None:
         future.set_exception(GrammarError("unbalanced parenthesis at 3"))
     else:
         future.set_result(int(key.spec.removeprefix("len-")) if key.spec != "slow" else 1)
-
-
-class ScriptedSocket:
-    """Test double of the scheduler's PULL socket: what the script pushed, nothing more."""
-
-    def __init__(self) -> None:
-        self.queue: list[Any] = []
-
-    def poll(self, timeout_ms: int) -> bool:
-        return bool(self.queue)
-
-    def recv_pyobj(self, flags: int = 0) -> Any:
-        if not self.queue:
-            raise zmq.Again()
-        return self.queue.pop(0)
-
-
-class ScriptedTime:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 # ---- one rank ------------------------------------------------------------------------------
@@ -357,62 +328,3 @@ def test_follower_deciding_grammar_readiness_itself_diverges() -> None:
     leader.run(StepInput([], 0.5, done))
     follower.run(StepInput([], 0.5, None))
     assert snapshot(leader.scheduler) != snapshot(follower.scheduler)
-
-
-def test_step_clock_reads_the_step_time_and_live_reads_monotonic() -> None:
-    clock = StepClock()
-    clock.set(12.5)
-    assert clock() == 12.5 and clock() == 12.5
-    live = StepClock(live=True)
-    live.set(-1.0)
-    assert live() > 0
-
-
-def test_local_source_drains_everything_and_blocks_only_when_idle() -> None:
-    socket, wall = ScriptedSocket(), ScriptedTime()
-    asked: list[bool] = []
-
-    def grammar_done(may_wait: bool) -> list[int]:
-        asked.append(may_wait)
-        return [3]
-
-    source = LocalStepSource(socket, grammar_done, wall)  # type: ignore[arg-type]
-    socket.queue.extend(["a", "b", "c"])
-    step = source.next_step(idle=True)
-    assert step == StepInput(["a", "b", "c"], 1000.0, [3])
-    assert source.next_step(idle=True) == StepInput([], 1000.0, [3])
-    assert asked == [False, True]  # waits for a compile only when nothing else arrived
-    assert LocalStepSource(socket).next_step(idle=False).grammar_done is None  # type: ignore[arg-type]
-
-
-def test_peer_lost_is_found_behind_the_forward_threads_error() -> None:
-    lost = TPPeerLost("TP rank 1: all_reduce failed: Connection closed by peer")
-    try:
-        try:
-            raise lost
-        except TPPeerLost as e:
-            raise RuntimeError("the model worker failed") from e
-    except RuntimeError as wrapped:
-        assert peer_lost(wrapped) is lost
-    assert peer_lost(RuntimeError("the model worker failed")) is None
-    exit_if_peer_lost(ValueError("not a peer"), 0)  # returns: other errors are not ours
-
-
-def test_a_lost_peer_ends_the_process_with_its_exit_code() -> None:
-    code = (
-        "from managers.tp_sync import exit_if_peer_lost\n"
-        "from srt.distributed import TPPeerLost\n"
-        "from srt.utils.process import configure_logging\n"
-        "configure_logging('info', 'scheduler rank 1')\n"
-        "try:\n"
-        "    raise TPPeerLost('TP rank 1: broadcast_object failed: Connection closed by peer')\n"
-        "except TPPeerLost as e:\n"
-        "    exit_if_peer_lost(RuntimeError('wrapped'), 1)  # not from a peer: returns\n"
-        "    exit_if_peer_lost(e, 1)\n"
-        "raise SystemExit(5)\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
-    )
-    assert done.returncode == TP_PEER_LOST_EXIT_CODE, done.stderr
-    assert "TP rank 1: lost a peer (TP rank 1: broadcast_object failed" in done.stderr

@@ -1,21 +1,17 @@
 """KV-cache events: the radix tree's records (stored / removed / cleared, page granularity,
-chained hashes), the wire format, the config, the ZMQ publisher with replay, and one batch per
-scheduler step."""
+chained hashes), the wire format and the config. The ZMQ publisher is
+`test_kv_event_publisher.py`."""
 
 from __future__ import annotations
 
 import hashlib
-import json
 import random
-import time
-import uuid
 
 import msgpack
 import pytest
 import torch
-import zmq
 
-from mem_cache.kv_event_publisher import END_SEQ, KVEventStream, ZmqEventPublisher
+from mem_cache.kv_event_publisher import KVEventStream
 from mem_cache.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -26,11 +22,9 @@ from mem_cache.kv_events import (
     KVEventsConfig,
     encode_records,
     expand,
-    page_digests,
-    public_hashes,
 )
 from mem_cache.radix_cache import RadixCache
-from tests.server.server_process import free_port
+from tests.mem_cache.kv_event_helpers import LiveSet, tree_hashes
 
 
 def recording_tree(page_size: int) -> tuple[RadixCache, KVEventRecorder]:
@@ -66,37 +60,6 @@ def sglang_hashes(tokens: list[int], page_size: int) -> list[int]:
         prior = h.hexdigest()
         value = int(prior[:16], 16)
         out.append(value - 2**64 if value >= 2**63 else value)
-    return out
-
-
-class LiveSet:
-    """A consumer's view: applies events, failing on a double store or a stray removal."""
-
-    def __init__(self) -> None:
-        self.live: set[int] = set()
-
-    def apply(self, events: list[KVEvent]) -> None:
-        for e in events:
-            if isinstance(e, BlockStored):
-                for h in e.block_hashes:
-                    assert h not in self.live, f"stored twice: {h}"
-                    self.live.add(h)
-            elif isinstance(e, BlockRemoved):
-                for h in e.block_hashes:
-                    assert h in self.live, f"removed but not stored: {h}"
-                    self.live.remove(h)
-            else:
-                self.live.clear()
-
-
-def tree_hashes(tree: RadixCache) -> set[int]:
-    """Every page hash the tree holds, recomputed from scratch along each root path."""
-    out: set[int] = set()
-    stack: list[tuple[object, list[int]]] = [(c, c.key) for c in tree.root.children.values()]
-    while stack:
-        node, path = stack.pop()
-        out.update(public_hashes(page_digests(path, tree.page_size, None)))
-        stack.extend((c, path + c.key) for c in node.children.values())
     return out
 
 
@@ -356,115 +319,6 @@ def test_null_publisher_records_nothing() -> None:
     insert(tree, [1, 2])
     stream.publish_step()
     assert tree.events is None and stream.publisher is None
-
-
-# ---- publisher --------------------------------------------------------------------------------
-def recv_batch(sock: zmq.Socket, timeout_ms: int = 5000) -> tuple[bytes, int, KVEventBatch]:
-    assert sock.poll(timeout_ms), "no KV-event batch arrived"
-    topic, seq, payload = sock.recv_multipart()
-    return topic, int.from_bytes(seq, "big"), KVEventBatch.decode(payload)
-
-
-def replay(ctx: zmq.Context, endpoint: str, start: int) -> list[tuple[int, KVEventBatch]]:
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.connect(endpoint)
-    try:
-        dealer.send_multipart((b"", start.to_bytes(8, "big")))
-        out = []
-        while True:
-            assert dealer.poll(5000), "replay did not answer"
-            empty, seq, payload = dealer.recv_multipart()
-            assert empty == b""
-            if seq == END_SEQ:
-                assert payload == b""
-                return out
-            out.append((int.from_bytes(seq, "big"), KVEventBatch.decode(payload)))
-    finally:
-        dealer.close(linger=0)
-
-
-def test_publisher_sequence_numbers_and_replay() -> None:
-    port, replay_port = free_port(), free_port()
-    config = KVEventsConfig(
-        endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{replay_port}", topic="kv"
-    )
-    pub = ZmqEventPublisher(config)
-    ctx = zmq.Context.instance()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
-    sub.connect(f"tcp://127.0.0.1:{port}")
-    try:
-        # PUB drops what it sends before the subscription arrives: publish until one lands.
-        sent = []
-        deadline = time.monotonic() + 10
-        while not sub.poll(50):
-            assert time.monotonic() < deadline, "subscriber never connected"
-            sent.append(pub.publish([], ts=float(len(sent))))
-        topic, first, _ = recv_batch(sub)
-        assert topic == b"kv"
-        for _ in range(5):
-            sent.append(pub.publish([], ts=float(len(sent))))
-        seqs = [first] + [recv_batch(sub)[1] for _ in range(len(sent) - 1 - first)]
-        assert seqs == list(range(first, len(sent))) and sent == list(range(len(sent)))
-
-        got = replay(ctx, f"tcp://127.0.0.1:{replay_port}", 0)
-        assert [s for s, _ in got] == list(range(len(sent)))
-        assert [b.ts for _, b in got] == [float(s) for s in range(len(sent))]
-        k = len(sent) - 3
-        assert [s for s, _ in replay(ctx, f"tcp://127.0.0.1:{replay_port}", k)] == [k, k + 1, k + 2]
-        assert replay(ctx, f"tcp://127.0.0.1:{replay_port}", len(sent) + 10) == []
-    finally:
-        sub.close(linger=0)
-        pub.close()
-
-
-def test_busy_port_is_a_startup_error() -> None:
-    port = free_port()
-    first = ZmqEventPublisher(KVEventsConfig(endpoint=f"tcp://*:{port}"))
-    try:
-        with pytest.raises(RuntimeError, match="cannot open its endpoints"):
-            ZmqEventPublisher(KVEventsConfig(endpoint=f"tcp://*:{port}"))
-    finally:
-        first.close()
-
-
-@pytest.mark.parametrize("overlap", [True, False])
-def test_scheduler_publishes_one_batch_per_step(overlap: bool) -> None:
-    from managers.inprocess import InProcessDriver
-    from srt.sampling.sampling_params import SamplingParams
-    from srt.server_args import ServerArgs
-    from tests.managers.scripted_worker import ScriptedWorker
-
-    endpoint = f"inproc://kv-events-{uuid.uuid4().hex}"  # bound by the publisher
-    args = ServerArgs(
-        page_size=4,
-        disable_overlap_schedule=not overlap,
-        kv_events_config=json.dumps({"endpoint": endpoint}),
-    )
-    driver = InProcessDriver(args, worker=ScriptedWorker(512, 8, 4), tokenizer=None)
-    sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(endpoint)
-    time.sleep(0.1)  # inproc subscriptions are near-immediate, but not synchronous
-    try:
-        prompt = list(range(1, 31))  # 30 tokens; with 9 outputs the KV covers 38 = 9 pages + 2
-        driver.generate([prompt], SamplingParams(max_new_tokens=9, temperature=0, ignore_eos=True))
-        live = LiveSet()
-        seqs = []
-        while sub.poll(500):
-            _, seq, batch = recv_batch(sub)
-            seqs.append(seq)
-            live.apply(batch.events)
-        assert seqs == list(range(len(seqs))) and seqs
-        assert len(live.live) == (30 + 9 - 1) // 4
-        assert live.live == tree_hashes(driver.scheduler.kv.tree)
-        assert driver.scheduler.flush_cache()
-        driver.scheduler.step()
-        _, _, batch = recv_batch(sub)
-        assert batch.events == [AllBlocksCleared()]
-    finally:
-        sub.close(linger=0)
-        driver.scheduler.kv_events.close()
 
 
 def test_bad_config_stops_the_command_line_before_the_model_loads(capsys) -> None:

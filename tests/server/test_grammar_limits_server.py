@@ -1,4 +1,4 @@
-"""Grammar limits on a live server (issue 15, item 5): a schema over a cap is a 400 naming
+"""Grammar limits on a live server: a schema over a cap is a 400 naming
 its field before it reaches the scheduler, and neither it nor a slow schema under the caps
 holds up a simple constrained request. Orderings are compared, never absolute times."""
 

@@ -3,17 +3,18 @@ default model, with the engine-core near-tie rule)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import requests
-import torch
 
-from managers.inprocess import InProcessDriver
-from srt.server_args import ServerArgs
-from tests.engine.hf_reference import assert_greedy_equal, hf_greedy_batch
+from tests.engine.hf_reference import DefaultModelReference
+from tests.engine.shared_worker import driver_on
 
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 32
+# A subset of `DEFAULT_TEXTS`, whose HF tokens the session computes once.
 TEXTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -24,9 +25,9 @@ TEXTS = [
 ]
 
 
-def test_http_equals_inprocess_and_hf(url: str, default_model_path: str) -> None:
-    from transformers import AutoModelForCausalLM
-
+def test_http_equals_inprocess_and_hf(
+    url: str, default_worker: Any, default_hf_reference: DefaultModelReference
+) -> None:
     params = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
     r = requests.post(
         url + "/generate", json={"text": TEXTS, "sampling_params": params}, timeout=300
@@ -34,12 +35,11 @@ def test_http_equals_inprocess_and_hf(url: str, default_model_path: str) -> None
     assert r.status_code == 200, r.text
     http = [o["output_ids"] for o in r.json()]
 
-    driver = InProcessDriver(ServerArgs(dtype="float32", max_total_tokens=8192))
-    prompts = [driver.tokenizer.encode(t) for t in TEXTS]
-    local = [o["output_ids"] for o in driver.generate(prompts, params)]
+    with driver_on(default_worker, max_total_tokens=8192) as driver:
+        prompts = [driver.tokenizer.encode(t) for t in TEXTS]
+        local = [o["output_ids"] for o in driver.generate(prompts, params)]
     assert http == local
 
-    hf = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
-    refs = hf_greedy_batch(hf, prompts, NEW_TOKENS)
-    for prompt, out, ref in zip(prompts, http, refs, strict=True):
-        assert_greedy_equal(hf, prompt, out, ref)
+    assert prompts == [default_hf_reference.prompts[t] for t in TEXTS]
+    for text, out in zip(TEXTS, http, strict=True):
+        default_hf_reference.assert_greedy_equal(text, out)

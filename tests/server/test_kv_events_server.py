@@ -56,7 +56,10 @@ class Events:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int, int]]:
+def server(
+    tmp_path_factory: pytest.TempPathFactory, tiny_served_model: str
+) -> Iterator[tuple[str, int, int]]:
+    """A tiny model's server: the events follow the tokens, whatever the model."""
     port, replay_port = free_port(), free_port()
     config = {
         "publisher": "zmq",
@@ -66,7 +69,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int,
     }
     log = Path(tmp_path_factory.mktemp("kv_events")) / "server.log"
     srv = ServerProcess(
-        "--dtype", "float32", "--max-total-tokens", str(POOL_TOKENS), "--page-size", str(PAGE),
+        "--model-path", tiny_served_model, "--dtype", "float32",
+        "--max-total-tokens", str(POOL_TOKENS), "--page-size", str(PAGE),
         "--kv-events-config", json.dumps(config), log_path=log,
     )  # fmt: skip
     yield srv.url, port, replay_port

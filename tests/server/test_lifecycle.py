@@ -22,12 +22,15 @@ SMALL = ("--max-total-tokens", "4096")
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
 
 
-def test_options_server_then_sigterm(tmp_path) -> None:
-    """--api-key, --served-model-name and --chat-template; then SIGTERM exits 0."""
+def test_options_server_then_sigterm(tmp_path, tiny_served_model: str) -> None:
+    """--api-key, --served-model-name and --chat-template; then SIGTERM exits 0. A tiny
+    model: the flags and the exit are checked, not its outputs."""
     template = tmp_path / "template.jinja"
     template.write_text(TEMPLATE)
     srv = ServerProcess(
         *SMALL,
+        "--model-path",
+        tiny_served_model,
         "--api-key",
         "sekrit",
         "--served-model-name",

@@ -1,4 +1,4 @@
-"""Tool-call parsers (hermes, llama3, mistral, forced): canned model outputs -> content and calls.
+"""Tool-call parsers (hermes, llama3, mistral): canned model outputs -> content and calls.
 
 Every canned text is checked twice: `parse` against the expected answer, and streams of it
 (split at every position, one character at a time, random splits) against `parse`, so a
@@ -8,85 +8,11 @@ checked for shape: one name delta per call, first, indexes in order.
 
 from __future__ import annotations
 
-import json
-import random
-from collections.abc import Callable, Iterator
-
 import pytest
 
-from srt.function_call import (
-    TOOL_PARSERS,
-    ForcedToolCallParser,
-    ToolCall,
-    ToolCallDelta,
-    ToolCallParser,
-    ToolSpec,
-    tool_choice_schema,
-)
+from srt.function_call import TOOL_PARSERS, ToolCallDelta
 from srt.function_call.core import join_calls
-
-WEATHER = {
-    "type": "object",
-    "properties": {"city": {"type": "string"}},
-    "required": ["city"],
-}
-TOOLS = [
-    ToolSpec("get_weather", WEATHER),
-    ToolSpec("search", {"type": "object", "properties": {"q": {"type": "string"}}}),
-    ToolSpec("ping"),  # no parameters
-]
-TRICKY_ARGS = '{"q": "a } \\" {"}'  # braces and an escaped quote inside a string
-
-
-def call(name: str, arguments: str) -> ToolCall:
-    return ToolCall(name=name, arguments=arguments)
-
-
-def splits(text: str, seed: int = 0) -> Iterator[list[str]]:
-    """The ways a stream may cut `text`: whole, at each position, per character, randomly."""
-    yield [text]
-    for i in range(len(text) + 1):
-        yield [text[:i], text[i:]]
-    yield list(text)
-    rng = random.Random(seed)
-    for _ in range(20):
-        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 8))))
-        yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
-
-
-def stream(parser: ToolCallParser, pieces: list[str]) -> tuple[str, list[ToolCallDelta]]:
-    content, deltas = "", []
-    for piece in pieces:
-        out = parser.feed(piece)
-        content += out.content
-        deltas += out.calls
-    out = parser.finish()
-    return content + out.content, deltas + out.calls
-
-
-def check_delta_shape(deltas: list[ToolCallDelta]) -> None:
-    named: set[int] = set()
-    for d in deltas:
-        assert d.name is not None or d.arguments, "an empty delta"
-        if d.name is not None:
-            assert d.index == len(named), "calls are announced in index order"
-            assert not d.arguments, "the name delta carries no arguments"
-            named.add(d.index)
-        else:
-            assert d.index in named, "arguments before the call's name"
-
-
-def check(make: Callable[[], ToolCallParser], text: str, content: str, calls: list[ToolCall]):
-    assert make().parse(text) == (content, calls)
-    for pieces in splits(text):
-        got_content, deltas = stream(make(), pieces)
-        check_delta_shape(deltas)
-        assert (got_content, join_calls(deltas)) == (content, calls), pieces
-
-
-def named_parser(name: str) -> Callable[[], ToolCallParser]:
-    return lambda: TOOL_PARSERS.create(name, TOOLS)
-
+from tests.srt.tool_call_helpers import TOOLS, TRICKY_ARGS, call, check, named_parser
 
 # -- hermes / qwen25 ------------------------------------------------------------------------
 
@@ -326,88 +252,3 @@ def test_special_token_needs() -> None:
     assert not TOOL_PARSERS.get("hermes").needs_special_tokens
     assert TOOL_PARSERS.get("llama3").needs_special_tokens
     assert TOOL_PARSERS.get("mistral").needs_special_tokens
-
-
-# -- forced tool choice ------------------------------------------------------------------------
-
-FORCED_CASES = {
-    "named": ("get_weather", '{"city": "Paris"}', [call("get_weather", '{"city": "Paris"}')]),
-    "named tricky": ("search", TRICKY_ARGS, [call("search", TRICKY_ARGS)]),
-    "required one": (
-        None,
-        '[{"name": "search", "parameters": {"q": "}"}}]',
-        [call("search", '{"q": "}"}')],
-    ),
-    "required two": (
-        None,
-        (
-            '[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
-            '{"name": "ping", "parameters": {}}]'
-        ),
-        [call("get_weather", '{"city": "Paris"}'), call("ping", "{}")],
-    ),
-}
-
-
-@pytest.mark.parametrize("case", sorted(FORCED_CASES))
-def test_forced(case: str) -> None:
-    named, text, calls = FORCED_CASES[case]
-    check(lambda: ForcedToolCallParser(TOOLS, named), text, "", calls)
-
-
-def test_forced_named_announces_at_the_first_feed() -> None:
-    parser = ForcedToolCallParser(TOOLS, "ping")
-    assert parser.feed("").calls == [ToolCallDelta(index=0, name="ping")]
-    assert parser.feed("{}").calls == [ToolCallDelta(index=0, arguments="{}")]
-    assert parser.feed(" trailing").calls == []  # never past the closing brace
-    assert ForcedToolCallParser(TOOLS, "ping").parse("") == ("", [call("ping", "")])
-
-
-def test_tool_choice_schema_shapes() -> None:
-    assert tool_choice_schema(TOOLS, "get_weather", parallel=True) == WEATHER
-    assert tool_choice_schema(TOOLS, "ping", parallel=True) == {"type": "object"}
-    schema = tool_choice_schema(TOOLS, None, parallel=False)
-    assert schema["maxItems"] == 1 and schema["minItems"] == 1
-    assert "maxItems" not in tool_choice_schema(TOOLS, None, parallel=True)
-    ping = schema["items"]["anyOf"][2]
-    assert ping["properties"] == {
-        "name": {"type": "string", "enum": ["ping"]},
-        "parameters": {"type": "object"},
-    }
-    with pytest.raises(ValueError):
-        tool_choice_schema(TOOLS, "nope", parallel=True)
-
-
-def test_tool_choice_schema_compiles_with_xgrammar() -> None:
-    xgrammar = pytest.importorskip("xgrammar")
-    tools = [
-        ToolSpec(
-            f"tool_{i}",
-            None
-            if i % 3 == 0
-            else {
-                "type": "object",
-                "properties": {"x": {"type": "integer"}, "s": {"type": "string"}},
-                "required": ["x"],
-            },
-        )
-        for i in range(20)
-    ]
-    for parallel in (False, True):
-        schema = tool_choice_schema(tools, None, parallel)
-        grammar = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
-        assert "root" in str(grammar)
-    accepts = getattr(getattr(xgrammar, "testing", None), "_is_grammar_accept_string", None)
-    if accepts is None:
-        return  # a private helper; the compile check above is the contract
-    grammar = xgrammar.Grammar.from_json_schema(
-        json.dumps(tool_choice_schema(tools, None, True)), any_whitespace=False
-    )
-    # What the grammar makes the model write is what the parser reads.
-    text = '[{"name": "tool_1", "parameters": {"x": 1, "s": "}"}}, {"name": "tool_0", "parameters": {}}]'
-    assert accepts(grammar, text)
-    parser = ForcedToolCallParser(tools, None)
-    assert parser.parse(text) == (
-        "",
-        [call("tool_1", '{"x": 1, "s": "}"}'), call("tool_0", "{}")],
-    )

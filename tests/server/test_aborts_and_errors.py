@@ -1,4 +1,5 @@
-"""Issue 16, items 4 and 7, against a real server with a 1024-token KV pool:
+"""Aborts, request validation and error bodies, against a real server with a 1024-token KV
+pool:
 
 - an operator's `abort_all` and a request that outgrows the KV pool answer the OpenAI routes
   200 with the tokens so far and `finish_reason: "abort"` (streams: a last chunk with it,
@@ -31,7 +32,7 @@ MAX_ERROR_BODY = 2048
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    log = Path(tmp_path_factory.mktemp("hardening_b")) / "server.log"
+    log = Path(tmp_path_factory.mktemp("aborts_and_errors")) / "server.log"
     srv = ServerProcess(
         "--dtype", "float32", "--max-total-tokens", str(POOL_TOKENS), log_path=log
     )  # fmt: skip
@@ -234,7 +235,7 @@ def test_deep_invalid_schema_error_is_short_and_clean(url: str) -> None:
     r = requests.post(url + "/generate", json=body, timeout=TIMEOUT_S)
     assert_short_clean_error(r, 400)
     # Refused by a grammar cap (its size) before it reaches xgrammar, whose own recursion
-    # error is cleaned too (tests/constrained/test_hardening_b_grammar_messages.py).
+    # error is cleaned too (tests/constrained/test_grammar_error_messages.py).
     assert "--grammar-max-schema-bytes" in r.json()["error"]["message"]
     assert r.json()["error"]["param"] == "json_schema"
     stream = requests.post(url + "/generate", json={**body, "stream": True}, timeout=TIMEOUT_S)

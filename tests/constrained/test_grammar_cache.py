@@ -1,4 +1,4 @@
-"""The compiled-grammar cache is bounded (issue 16, item 2): an LRU of `--grammar-cache-size`
+"""The compiled-grammar cache is bounded: an LRU of `--grammar-cache-size`
 futures. Evicting an entry must not disturb a request that already holds its future (still
 compiling, or waiting in the grammar queue) or its matcher."""
 

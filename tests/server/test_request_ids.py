@@ -1,4 +1,4 @@
-"""Request ids (issue 16, item 3): a request with rid X and n > 1 also runs X-prefill and
+"""Request ids: a request with rid X and n > 1 also runs X-prefill and
 X-0 .. X-(n-1) inside the server. No client rid may equal one of those while X runs, in
 either order of arrival, or one client would receive (or abort) another's output."""
 

@@ -1,4 +1,4 @@
-"""OpenAI routes and aborts (issue 16, item 4): an abort that carries no status code (an
+"""OpenAI routes and aborts: an abort that carries no status code (an
 operator's `/abort_request`, a request the KV pool cannot hold) is a 200 with the text so far
 and `finish_reason: "abort"`, or a stream's last chunk before `[DONE]`; an abort with a status
 code stays an error."""

@@ -1,4 +1,4 @@
-"""One validation layer, one set of limits (issue 16, item 7): the OpenAI request models and
+"""One validation layer, one set of limits: the OpenAI request models and
 `/generate`'s `parse_sampling_params` accept and refuse the same values, neither coerces a
 string into a number or a boolean, and an empty stop string is refused by both."""
 

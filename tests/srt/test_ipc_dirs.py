@@ -1,4 +1,4 @@
-"""IPC socket files (issue 16, item 7): a private 0700 directory per server, removed on a
+"""IPC socket files: a private 0700 directory per server, removed on a
 normal stop; the directories that killed servers left behind are removed at the next start.
 A child whose parent died while it started exits instead of living on."""
 

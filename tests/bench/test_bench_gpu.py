@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -64,16 +65,15 @@ def test_markdown_table() -> None:
     assert table.splitlines()[2] == "| m | 1,234 | 1.00 | 61.3% |  |"
 
 
-def test_w1_on_both_loops_shares_one_worker(default_model_path: str) -> None:
+def test_w1_on_both_loops_shares_one_worker(default_worker: Any) -> None:
     """The overlap on / off rows: two schedulers take the worker's KV pool in turn (the
     first returns its cached pages), on CPU with the default model and a tiny W1."""
     from bench.bench_gpu import bench_w1_loops
-    from managers.model_worker import ModelWorker
     from srt.server_args import ServerArgs
 
     sargs = ServerArgs(dtype="float32", skip_tokenizer_init=True, max_total_tokens=2048)
     held: list[object] = []
-    rows = list(bench_w1_loops(ModelWorker(sargs), sargs, 3, 4, 8, (True, False), held))
+    rows = list(bench_w1_loops(default_worker, sargs, 3, 4, 8, (True, False), held))
     assert [r["workload"] for r in rows] == ["W1x (3 prompts)", "W1x (3 prompts) overlap off"]
     assert all(r["tok_per_s"] > 0 for r in rows)
     assert not held[0].scheduler.forward_worker.thread.is_alive()

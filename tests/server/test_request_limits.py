@@ -1,5 +1,5 @@
-"""Limits that keep one client from stalling or overloading the others (issue 16, items 1, 6
-and the model path of 7), against the shared server (default limits, no API key):
+"""Limits that keep one client from stalling or overloading the others, against the shared
+server (default limits, no API key):
 
 - a body over --max-request-bytes is refused with a 413 before it is read whole, and a large
   legal body is tokenized off the event loop: meanwhile /health and a running stream go on;

@@ -1,4 +1,4 @@
-"""Error messages are capped at the HTTP edge (issue 16, item 7): a message that quotes what
+"""Error messages are capped at the HTTP edge: a message that quotes what
 the client sent (a model name, a compiler's view of a schema) cannot make a large body."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Grammar errors go back to clients short and clean (issue 16, item 7): no xgrammar log
+"""Grammar errors go back to clients short and clean: no xgrammar log
 prefixes, C++ source paths or assertion text, no echo of the schema, at most a few hundred
 characters. No model needed: xgrammar's own errors are cleaned, then the queue's message."""
 

@@ -1,6 +1,6 @@
-"""A real server's IPC socket files (issue 16, item 7): in one private 0700 directory; a
+"""A real server's IPC socket files: in one private 0700 directory; a
 `kill -9` of the main process leaves that directory, the next start removes it, and a
-normal stop leaves nothing."""
+normal stop leaves nothing. The servers run a tiny model: only their processes matter."""
 
 from __future__ import annotations
 
@@ -25,13 +25,14 @@ def ipc_entries(tmp: Path) -> list[Path]:
 
 
 def test_kill_9_leftovers_removed_at_next_start(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_served_model: str
 ) -> None:
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp))  # the server's tempfile.gettempdir()
 
-    first = ServerProcess(*SMALL, log_path=tmp_path / "first.log")
+    small = (*SMALL, "--model-path", tiny_served_model)
+    first = ServerProcess(*small, log_path=tmp_path / "first.log")
     # The tokenizer manager binds its socket at the first request.
     body = {"text": "Hi", "sampling_params": {"max_new_tokens": 1}}
     assert requests.post(first.url + "/generate", json=body, timeout=60).status_code == 200
@@ -46,7 +47,7 @@ def test_kill_9_leftovers_removed_at_next_start(
         time.sleep(0.1)
     assert ipc_entries(tmp) == [ipc_dir], "kill -9 cannot clean up; the next start must"
 
-    second = ServerProcess(*SMALL, log_path=tmp_path / "second.log")
+    second = ServerProcess(*small, log_path=tmp_path / "second.log")
     try:
         [new_dir] = ipc_entries(tmp)
         assert new_dir != ipc_dir and not ipc_dir.exists()

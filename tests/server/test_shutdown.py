@@ -1,4 +1,4 @@
-"""SIGTERM under load (issue 16, item 5): the server stops taking requests (JSON 503), lets
+"""SIGTERM under load: the server stops taking requests (JSON 503), lets
 running ones finish for --shutdown-grace-period seconds, then fails the rest as it does when
 a child dies (a JSON 503; a stream gets an error event, then [DONE]); it exits 0, leaves no
 child behind and logs no traceback. Before the fix, streams were cut off with neither an
