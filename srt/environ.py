@@ -15,6 +15,7 @@ RadixRT's own variables:
 | `RADIXRT_CPU_F32_MATMUL` | `auto` | float32 CPU matmuls: `auto`, `onednn`, `mkl`, `panels` |
 | `RADIXRT_CPU_BF16_MATMUL` | `auto` | bfloat16 CPU matmuls: `auto`, `dot`, `widen` |
 | `RADIXRT_TEST_HANG_AT_FORWARD` | `0` | test hook: the N-th forward never returns (watchdog test) |
+| `RADIXRT_TEST_SERVER_EXTRA_ARGS` | empty | the suite: flags added to its shared server (`--tp-size 2`) |
 
 Other programs' variables RadixRT also honours: `CC` (the C compiler for the CPU kernels),
 `ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA` and `MKL_ENABLE_INSTRUCTIONS` (how the suite
@@ -55,6 +56,7 @@ API_KEY = EnvVar("RADIXRT_API_KEY")
 CPU_F32_MATMUL = EnvVar("RADIXRT_CPU_F32_MATMUL", "auto", ("auto", "onednn", "mkl", "panels"))
 CPU_BF16_MATMUL = EnvVar("RADIXRT_CPU_BF16_MATMUL", "auto", ("auto", "dot", "widen"))
 TEST_HANG_AT_FORWARD = EnvVar("RADIXRT_TEST_HANG_AT_FORWARD", "0")
+TEST_SERVER_EXTRA_ARGS = EnvVar("RADIXRT_TEST_SERVER_EXTRA_ARGS")
 
 C_COMPILER = EnvVar("CC", "gcc")
 ATEN_CPU_CAPABILITY = EnvVar("ATEN_CPU_CAPABILITY")

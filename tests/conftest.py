@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from srt import environ
+
 # One shared server (the default model, float32, metrics on) for every HTTP test. Its chat
 # template renders exactly as the model's own without tools, so tools and reasoning are served
 # by the same server: hermes calls (what the template asks for) and qwen3-style <think>.
@@ -31,7 +33,6 @@ SERVER_ARGS = (
     "qwen3",
 )
 # Extra `launch_server` arguments for the shared server (a shell-quoted string).
-SERVER_EXTRA_ARGS_ENV = "RADIXRT_TEST_SERVER_EXTRA_ARGS"
 
 
 @pytest.fixture(scope="session")
@@ -107,7 +108,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
 
     log = Path(tmp_path_factory.mktemp("server")) / "server.log"
     # e.g. RADIXRT_TEST_SERVER_EXTRA_ARGS="--tp-size 2": the HTTP tests against another setup.
-    extra = shlex.split(os.environ.get(SERVER_EXTRA_ARGS_ENV, ""))
+    extra = shlex.split(environ.TEST_SERVER_EXTRA_ARGS.get())
     srv = ServerProcess(*SERVER_ARGS, *extra, log_path=log)
     yield srv
     code = srv.stop()

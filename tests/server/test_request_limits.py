@@ -9,7 +9,6 @@ server (default limits, no API key):
 
 from __future__ import annotations
 
-import os
 import shlex
 import threading
 import time
@@ -20,8 +19,9 @@ import orjson
 import pytest
 import requests
 
+from srt import environ
 from srt.server_args import prepare_server_args
-from tests.conftest import SERVER_ARGS, SERVER_EXTRA_ARGS_ENV
+from tests.conftest import SERVER_ARGS
 
 pytestmark = pytest.mark.slow
 
@@ -270,7 +270,7 @@ def test_server_info_shows_the_resolved_device_defaults(url: str) -> None:
     """Fields whose default depends on the device show what the scheduler runs with, not
     null: the prefill-token budget and the event loop."""
     args = prepare_server_args(
-        [*SERVER_ARGS, *shlex.split(os.environ.get(SERVER_EXTRA_ARGS_ENV, ""))]
+        [*SERVER_ARGS, *shlex.split(environ.TEST_SERVER_EXTRA_ARGS.get())]
     )
     server = requests.get(url + "/get_server_info", timeout=30).json()
     assert server["max_prefill_tokens"] == args.prefill_token_budget()
