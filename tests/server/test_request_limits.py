@@ -269,9 +269,7 @@ def test_operators_see_the_local_path_behind_the_api_key(
 def test_server_info_shows_the_resolved_device_defaults(url: str) -> None:
     """Fields whose default depends on the device show what the scheduler runs with, not
     null: the prefill-token budget and the event loop."""
-    args = prepare_server_args(
-        [*SERVER_ARGS, *shlex.split(environ.TEST_SERVER_EXTRA_ARGS.get())]
-    )
+    args = prepare_server_args([*SERVER_ARGS, *shlex.split(environ.TEST_SERVER_EXTRA_ARGS.get())])
     server = requests.get(url + "/get_server_info", timeout=30).json()
     assert server["max_prefill_tokens"] == args.prefill_token_budget()
     assert server["disable_overlap_schedule"] is (not args.overlap_schedule())
