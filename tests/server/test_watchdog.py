@@ -26,10 +26,11 @@ WATCHDOG_S = 3.0
 SLACK_S = 30.0  # generous: the machine may be busy; the point is "fails", not "how fast"
 
 
-def start_server(log: Path) -> ServerProcess:
-    """A small server whose watchdog fires after WATCHDOG_S seconds."""
+def start_server(log: Path, model: str) -> ServerProcess:
+    """A small server whose watchdog fires after WATCHDOG_S seconds. The watchdog and the
+    heartbeat do not depend on the model, so it serves the tiny one (a faster start)."""
     return ServerProcess(
-        "--dtype", "float32", "--max-total-tokens", "4096",
+        "--model-path", model, "--dtype", "float32", "--max-total-tokens", "4096",
         "--watchdog-timeout", str(WATCHDOG_S),
         log_path=log,
     )  # fmt: skip
@@ -49,10 +50,12 @@ def health(url: str) -> int | None:
         return None  # the server is already gone: also not healthy
 
 
-def test_hung_forward_fails_health_and_exits_nonzero(tmp_path, monkeypatch) -> None:
+def test_hung_forward_fails_health_and_exits_nonzero(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_served_model: str
+) -> None:
     monkeypatch.setenv(TEST_HANG_AT_FORWARD.name, "1")  # the server inherits the environment
     log = tmp_path / "server.log"
-    srv = start_server(log)
+    srv = start_server(log, tiny_served_model)
     try:
         children = list(srv.children)
         assert children, "the server has no child processes"
@@ -81,12 +84,14 @@ def test_hung_forward_fails_health_and_exits_nonzero(tmp_path, monkeypatch) -> N
             pytest.fail("the server did not exit")
 
 
-def test_stopped_scheduler_is_killed_by_the_main_process(tmp_path) -> None:
+def test_stopped_scheduler_is_killed_by_the_main_process(
+    tmp_path: Path, tiny_served_model: str
+) -> None:
     """A scheduler too stuck even for its own watchdog (here: SIGSTOP; in life, a call that
     holds the GIL) stops sending heartbeats: /health fails, and the main process kills it
     once it has been silent for --watchdog-timeout + HEARTBEAT_KILL_GRACE_S."""
     log = tmp_path / "server.log"
-    srv = start_server(log)
+    srv = start_server(log, tiny_served_model)
     try:
         children = list(srv.children)
         info = requests.get(srv.url + "/get_server_info", timeout=30).json()
