@@ -32,7 +32,6 @@ SERVER_ARGS = (
     "--reasoning-parser",
     "qwen3",
 )
-# Extra `launch_server` arguments for the shared server (a shell-quoted string).
 
 
 @pytest.fixture(scope="session")
