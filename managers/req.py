@@ -159,6 +159,7 @@ class Req:
         self.cached_tokens: int | None = None  # prefix hit at first admission
         self.sent_output_len = 0
         self._decode_options: DecodeOptions | None = None
+        self._plain_greedy: bool | None = None
 
     # ---- token views -------------------------------------------------------------
     def all_ids(self) -> list[int]:
@@ -199,6 +200,23 @@ class Req:
             or p.presence_penalty != 0.0
             or p.repetition_penalty != 1.0
         )
+
+    def samples_by_argmax(self, output_len: int) -> bool:
+        """Whether its token at `output_len` is the argmax of the model's logits, with
+        nothing applied to them first and no logprobs asked (then its batch needs no
+        sampling tensors)."""
+        if self._plain_greedy is None:
+            p = self.sampling_params
+            self._plain_greedy = (
+                p.is_greedy
+                and not p.logit_bias
+                and self.grammar is None
+                and self.logprobs is None
+                and p.frequency_penalty == 0.0
+                and p.presence_penalty == 0.0
+                and p.repetition_penalty == 1.0
+            )
+        return self._plain_greedy and output_len >= self.sampling_params.min_new_tokens
 
     def decode_options(self) -> DecodeOptions:
         if self._decode_options is None:

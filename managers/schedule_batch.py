@@ -22,24 +22,68 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class ModelWorkerBatch:
-    """Everything one forward + sample needs; no `Req` objects cross to the worker."""
+    """Everything one forward + sample needs, as host lists; no `Req` objects cross to the
+    worker, which stages these on the device in one copy (`ModelWorker.to_forward_batch`)."""
 
     forward_mode: ForwardMode
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    out_cache_loc: torch.Tensor
-    req_pool_indices: torch.Tensor
-    seq_lens: torch.Tensor
-    seq_lens_cpu: list[int]
-    extend_prefix_lens_cpu: list[int] | None
-    extend_seq_lens_cpu: list[int] | None
-    logits_indices: torch.Tensor  # token rows whose logits are computed
-    sample_indices: torch.Tensor  # per request: its row in those logits
-    sampling_info: SamplingBatchInfo
+    input_ids: list[int]  # per new token; overlap loop: -(slot) names a future token id
+    prefix_lens: list[int]  # per request: tokens with KV before this forward
+    seq_lens: list[int]  # per request: tokens with KV after it
+    req_pool_indices: list[int]  # per request: its row of req_to_token
+    out_cache_loc: torch.Tensor  # int64 [T], host: the KV slot of each new token
+    # Rows of the T new tokens whose logits are computed, and per request its row among
+    # those; None for a decode (one row per request, in order).
+    logits_indices: list[int] | None
+    sample_indices: list[int] | None
+    # None: every row samples its argmax and nothing touches the logits first (no
+    # SamplingBatchInfo is built). Else the batch's sampling tensors, the same object from
+    # step to step while they do not change (`SamplingCache`), and per request the index in
+    # its output of the token it samples now (seeded draws depend on it).
+    sampling_info: SamplingBatchInfo | None
+    sample_positions: list[int] | None
     return_logprob: bool
     top_logprobs_nums: list[int]
     # Prompt logprobs, per request: (first logits row, target token ids); None if not asked.
     input_logprob_specs: list[tuple[int, list[int]] | None] = field(default_factory=list)
+
+    def extend_lens(self) -> list[int]:
+        return [s - p for p, s in zip(self.prefix_lens, self.seq_lens, strict=True)]
+
+    def positions(self) -> torch.Tensor:
+        """int64 [T]: the position of each new token."""
+        return _positions(self.prefix_lens, self.seq_lens)
+
+    def argmax_only(self) -> bool:
+        """Whether the forward's logits feed only an argmax per row (no logprobs of the
+        output or of the prompt, and no sampling tensors)."""
+        return (
+            self.sampling_info is None
+            and not self.return_logprob
+            and all(spec is None for spec in self.input_logprob_specs)
+        )
+
+
+class SamplingCache:
+    """The last batch's `SamplingBatchInfo`, handed again while the batch holds the same
+    requests and nothing in it changes from step to step (no penalties, which count output
+    tokens; no min-token mask still in force; no grammar mask), so the worker keeps its
+    device copy instead of copying it every step."""
+
+    def __init__(self) -> None:
+        self.reqs: list[Req] = []
+        self.info: SamplingBatchInfo | None = None
+
+    def lookup(self, reqs: list[Req]) -> SamplingBatchInfo | None:
+        cached = self.reqs
+        if self.info is None or len(cached) != len(reqs):
+            return None
+        if any(a is not b for a, b in zip(cached, reqs)):
+            return None
+        return self.info
+
+    def keep(self, reqs: list[Req], info: SamplingBatchInfo) -> None:
+        steady = not info.has_penalties and info.min_tokens_rows is None and info.vocab_mask is None
+        self.reqs, self.info = (list(reqs), info) if steady else ([], None)
 
 
 @dataclass
@@ -145,7 +189,52 @@ class ScheduleBatch:
         vocab_size: int,
         eos_token_ids: list[int],
         grammar_backend: BaseGrammarBackend | None = None,
+        sampling_cache: SamplingCache | None = None,
     ) -> ModelWorkerBatch:
+        reqs = self.reqs
+        extend = self.forward_mode.is_extend()
+        logits_rows: list[int] | None = None
+        sample_rows: list[int] | None = None
+        specs: list[tuple[int, list[int]] | None] = [None] * len(reqs)
+        if extend:
+            logits_rows, sample_rows, specs = self._logits_rows()
+        # Index of the token each row samples, from KV lengths: right even when the overlap
+        # loop has not appended the previous token to `output_ids` yet.
+        output_lens = [
+            max(s - len(r.origin_input_ids), 0) for r, s in zip(reqs, self.seq_lens, strict=True)
+        ]
+        return_logprob = any(r.logprobs is not None for r in reqs)
+        info = None
+        if return_logprob or not all(
+            r.samples_by_argmax(n) for r, n in zip(reqs, output_lens, strict=True)
+        ):
+            info = sampling_cache.lookup(reqs) if sampling_cache is not None else None
+            if info is None:
+                info = self._sampling_info(vocab_size, eos_token_ids, grammar_backend, output_lens)
+                if sampling_cache is not None:
+                    sampling_cache.keep(reqs, info)
+        return ModelWorkerBatch(
+            forward_mode=self.forward_mode,
+            input_ids=self.input_ids,
+            prefix_lens=self.prefix_lens,
+            seq_lens=self.seq_lens,
+            req_pool_indices=[r.kv.row for r in reqs],
+            out_cache_loc=self.out_cache_loc,
+            logits_indices=logits_rows,
+            sample_indices=sample_rows,
+            sampling_info=info,
+            sample_positions=output_lens if info is not None else None,
+            return_logprob=return_logprob,
+            top_logprobs_nums=[r.logprobs.top_n if r.logprobs else 0 for r in reqs],
+            input_logprob_specs=specs,
+        )
+
+    def _logits_rows(
+        self,
+    ) -> tuple[list[int], list[int], list[tuple[int, list[int]] | None]]:
+        """An extend's logits rows (each request's last token, and its prompt positions
+        where prompt logprobs are asked), each request's sampled row, and the prompt-logprob
+        specs."""
         logits_rows: list[int] = []
         sample_rows: list[int] = []
         specs: list[tuple[int, list[int]] | None] = []
@@ -153,7 +242,7 @@ class ScheduleBatch:
         for req, p, s in zip(self.reqs, self.prefix_lens, self.seq_lens, strict=True):
             first = s - 1
             spec = None
-            if self.forward_mode.is_extend() and req.needs_input_logprobs():
+            if req.needs_input_logprobs():
                 assert req.logprobs is not None
                 prompt_len = len(req.origin_input_ids)
                 lo = max(p, req.logprobs.start_len - 1)
@@ -166,38 +255,25 @@ class ScheduleBatch:
             logits_rows.extend(range(base + first, base + s))
             sample_rows.append(len(logits_rows) - 1)
             token_offset += s - p
-        extend = self.forward_mode.is_extend()
+        return logits_rows, sample_rows, specs
+
+    def _sampling_info(
+        self,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        grammar_backend: BaseGrammarBackend | None,
+        output_lens: list[int],
+    ) -> SamplingBatchInfo:
         vocab_mask = None
         if grammar_backend is not None and any(r.grammar for r in self.reqs):
             vocab_mask = VocabMask(grammar_backend, [r.grammar for r in self.reqs])
-        return ModelWorkerBatch(
-            forward_mode=self.forward_mode,
-            input_ids=torch.tensor(self.input_ids, dtype=torch.int64),
-            positions=_positions(self.prefix_lens, self.seq_lens),
-            out_cache_loc=self.out_cache_loc,
-            req_pool_indices=torch.tensor([r.kv.row for r in self.reqs], dtype=torch.int64),
-            seq_lens=torch.tensor(self.seq_lens, dtype=torch.int64),
-            seq_lens_cpu=list(self.seq_lens),
-            extend_prefix_lens_cpu=list(self.prefix_lens) if extend else None,
-            extend_seq_lens_cpu=self.extend_lens if extend else None,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64),
-            sample_indices=torch.tensor(sample_rows, dtype=torch.int64),
-            sampling_info=SamplingBatchInfo.from_reqs(
-                self.reqs,
-                vocab_size,
-                "cpu",
-                eos_token_ids=eos_token_ids,
-                # Index of the token each row samples, from KV lengths: right even when the
-                # overlap loop has not appended the previous token to `output_ids` yet.
-                output_lens=[
-                    max(s - len(r.origin_input_ids), 0)
-                    for r, s in zip(self.reqs, self.seq_lens, strict=True)
-                ],
-                vocab_mask=vocab_mask,
-            ),
-            return_logprob=any(r.logprobs is not None for r in self.reqs),
-            top_logprobs_nums=[r.logprobs.top_n if r.logprobs else 0 for r in self.reqs],
-            input_logprob_specs=specs,
+        return SamplingBatchInfo.from_reqs(
+            self.reqs,
+            vocab_size,
+            "cpu",
+            eos_token_ids=eos_token_ids,
+            output_lens=output_lens,
+            vocab_mask=vocab_mask,
         )
 
 

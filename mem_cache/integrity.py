@@ -73,7 +73,7 @@ def check_memory_integrity(
             errors.append(f"row {span.row} holds last_node #{node.id} that is not locked")
         if pool is None:
             raise ValueError("spans given but no req_to_token_pool")
-        own = pool.req_to_token[span.row, span.protected_len : span.allocated_len]
+        own = pool.host[span.row, span.protected_len : span.allocated_len]
         own_pages = torch.unique(_pages_of(own, ps))
         req_tokens += len(own_pages) * ps
         owners.append((f"row {span.row}", own_pages))

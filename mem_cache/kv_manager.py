@@ -13,6 +13,10 @@ tree-owned versus its own). The manager reads only the span, the token ids its s
 its `extra_key` (`KVOwner`); it never sees the rest of the request. The prefix tree maps ids to
 slots and returns what it evicts; it never sees a request or the allocator.
 
+Every table read and write here goes to the host table (`ReqToTokenPool.host`): on a GPU the
+device's copy is written on the device from each launched batch, so no bookkeeping step waits
+for a forward in flight (memory_pool.py).
+
 With a tree that does not share (`ChunkCache`, `--disable-radix-cache`), a request keeps all
 its slots until it finishes and then frees them; nothing is inserted.
 
@@ -146,20 +150,18 @@ class KVManager:
 
     def _last_locs(self, spans: Sequence[KVSpan], lens: Sequence[int]) -> list[int]:
         """Slot of position len-1 of each span (-1 when len == 0), which the allocator
-        extends a partly filled last page from.
-
-        One gather over the table for the whole batch: on a GPU each element read is a
-        device-to-host sync, and this runs every decode step. With page_size 1 the allocator
-        takes any free slot and never reads these, so the table is not read at all (-1s)."""
+        extends a partly filled last page from: one gather over the host table for the whole
+        batch. With page_size 1 the allocator takes any free slot and never reads these, so the
+        table is not read at all (-1s)."""
         if self.page_size == 1 or not lens:
             return [-1] * len(lens)
-        table = self.rows.req_to_token
+        table = self.rows.host
         lens_t = torch.tensor(lens, dtype=torch.int64)
         rows = torch.tensor(
             [s.row if n > 0 else 0 for s, n in zip(spans, lens, strict=True)], dtype=torch.int64
         )
         cols = (lens_t - 1).clamp_(min=0)
-        last = table[rows.to(table.device), cols.to(table.device)].to("cpu", torch.int64)
+        last = table[rows, cols].to(torch.int64)
         return torch.where(lens_t > 0, last, -1).tolist()
 
     def allocate_extend(self, spans: Sequence[KVSpan], seq_lens: Sequence[int]) -> torch.Tensor:
@@ -167,7 +169,7 @@ class KVManager:
 
         A span without a row gets one, with its matched prefix written in and locked prefix
         positions recorded as tree-owned."""
-        table = self.rows.req_to_token
+        table = self.rows.host
         new = [s for s in spans if s.row is None]
         rows = self.rows.alloc(len(new)) if new else []
         if rows is None:
@@ -177,6 +179,7 @@ class KVManager:
             n = span.prefix_len()
             if n:
                 table[row, :n] = span.prefix_indices.to(table.dtype)
+                self.rows.log(row, 0, n)
             span.protected_len = n
         prefix_lens = [s.prefix_len() for s in spans]
         extend = sum(seq_lens) - sum(prefix_lens)
@@ -206,7 +209,7 @@ class KVManager:
         loc = self.allocator.alloc_decode([n + 1 for n in lens], self._last_locs(spans, lens))
         if loc is None:
             raise OutOfKVError("cannot allocate KV slots for decode")
-        table = self.rows.req_to_token
+        table = self.rows.host
         rows = torch.tensor([s.row for s in spans], dtype=torch.int64)
         table[rows, torch.tensor(lens, dtype=torch.int64)] = loc.to(table.dtype)
         for span in spans:
@@ -225,17 +228,18 @@ class KVManager:
             return None
         [row] = self.rows.alloc(1) or [None]
         assert row is not None
-        self.rows.req_to_token[row, :num_tokens] = loc.to(torch.int32)
+        self.rows.host[row, :num_tokens] = loc.to(torch.int32)
+        self.rows.log(row, 0, num_tokens)
         span.row, span.protected_len, span.allocated_len = row, 0, num_tokens
         return loc.tolist()
 
     def slots(self, span: KVSpan, n: int) -> list[int]:
         """The slots of the span's first n positions."""
-        return self.rows.req_to_token[span.row, :n].tolist()
+        return self.rows.host[span.row, :n].tolist()
 
     # ---- caching and release -------------------------------------------------------
     def _row_slots(self, span: KVSpan, n: int) -> torch.Tensor:
-        return self.rows.req_to_token[span.row, :n].to(torch.int64)
+        return self.rows.host[span.row, :n].to(torch.int64)
 
     def cache_unfinished(self, req: KVOwner) -> None:
         """A chunk boundary (or a prompt just launched): put the computed KV in the tree and
@@ -253,7 +257,8 @@ class KVManager:
         self.allocator.free(kv[span.protected_len : present])  # the tree already had these
         match = self.tree.match_prefix(tokens[:aligned], req.extra_key)
         assert match.prefix_len == aligned, (match.prefix_len, aligned)
-        self.rows.req_to_token[span.row, :aligned] = match.device_indices.to(torch.int32)
+        self.rows.host[span.row, :aligned] = match.device_indices.to(torch.int32)
+        self.rows.log(span.row, 0, aligned)
         self.tree.inc_lock_ref(match.last_node)
         self.tree.dec_lock_ref(span.last_node)
         span.prefix_indices = self._row_slots(span, n)  # the tree's slots, then the tail's

@@ -23,6 +23,8 @@ import mmap
 
 import torch
 
+from srt.model_executor.device_memory import device_memory
+
 logger = logging.getLogger(__name__)
 
 
@@ -39,18 +41,57 @@ def lazy_zeros(
 
 
 class ReqToTokenPool:
-    """`int32[size, max_context_len]` map from (request row, token position) to KV slot."""
+    """`int32[size, max_context_len]` map from (request row, token position) to KV slot.
+
+    On a GPU the table lives twice: `req_to_token` on the device, which attention reads, and
+    `host`, a mirror that `KVManager` reads and writes (the bookkeeping never waits for the
+    device). The device copy is written on the device, from data staged with each batch
+    (`srt/model_executor/step_inputs.py`): the batch's own new slots (its rows, positions and
+    `out_cache_loc`), plus the ranges `KVManager` rewrote outside a batch (a matched prefix
+    copied into a new row, a row pointed at the tree's slots), which `log` records and the
+    next launch drains (`take_logged`). On a CPU both names are the same tensor and nothing
+    is logged."""
 
     def __init__(self, size: int, max_context_len: int, device: str | torch.device = "cpu"):
         self.size = size
         self.max_context_len = max_context_len
         self.device = device
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)
+        self.mirrored = device_memory(device).separate
+        self._host = torch.zeros_like(self.req_to_token, device="cpu") if self.mirrored else None
+        self._logged: list[tuple[int, int, int]] = []  # (row, start, stop) since the last drain
         self._free_rows: list[int] = list(range(size))
         # Overlap loop: a forward still in flight may read a row its request just gave up, so
         # freed rows are held until the scheduler knows that forward is done (`release`).
         self.hold_frees = False
         self._held: list[int] = []
+
+    @property
+    def host(self) -> torch.Tensor:
+        """The table the host reads and writes: the mirror on a GPU, the table on a CPU."""
+        return self._host if self._host is not None else self.req_to_token
+
+    def log(self, row: int, start: int, stop: int) -> None:
+        """Record that host positions [start, stop) of `row` changed outside a batch's own
+        new tokens; the next launch copies them to the device (a no-op on a CPU)."""
+        if self.mirrored and stop > start:
+            self._logged.append((row, start, stop))
+
+    def take_logged(self) -> tuple[list[int], list[int], torch.Tensor] | None:
+        """(rows, columns, slots) of every logged position, read from the host table now (so
+        a position logged twice carries its latest value both times), or None; clears the
+        log."""
+        if not self._logged:
+            return None
+        logged, self._logged = self._logged, []
+        rows: list[int] = []
+        cols: list[int] = []
+        for row, start, stop in logged:
+            rows.extend([row] * (stop - start))
+            cols.extend(range(start, stop))
+        host = self.host
+        slots = torch.cat([host[row, start:stop] for row, start, stop in logged])
+        return rows, cols, slots
 
     def available_size(self) -> int:
         return len(self._free_rows)
@@ -78,6 +119,7 @@ class ReqToTokenPool:
     def clear(self) -> None:
         self._free_rows = list(range(self.size))
         self._held = []
+        self._logged = []
 
 
 class MHATokenToKVPool:

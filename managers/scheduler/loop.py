@@ -61,7 +61,7 @@ from managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from managers.overlap_worker import OverlapWorker
-from managers.schedule_batch import BatchLaunch, ScheduleBatch
+from managers.schedule_batch import BatchLaunch, SamplingCache, ScheduleBatch
 from managers.scheduler.deadlines import Deadlines
 from managers.scheduler.decode import DecodePlanner
 from managers.scheduler.disagg_port import Port
@@ -148,6 +148,7 @@ class Scheduler:
         if self.overlap:
             self.forward_worker = OverlapWorker(worker, self.kv.max_rows)
         self.kv.hold_row_frees(self.overlap)
+        self.sampling_cache = SamplingCache()
         self.was_idle = True
         self.raise_on_leak = raise_on_leak
         self.memory_check = MemoryIntegrity()
@@ -277,7 +278,9 @@ class Scheduler:
         return batch if batch is not None else self.decode.build()
 
     def _worker_batch(self, batch: ScheduleBatch) -> Any:
-        return batch.model_worker_batch(self.vocab_size, self.eos_token_ids, self.grammar_backend)
+        return batch.model_worker_batch(
+            self.vocab_size, self.eos_token_ids, self.grammar_backend, self.sampling_cache
+        )
 
     def _on_maybe_idle(self) -> None:
         if not self.was_idle and self.is_idle():

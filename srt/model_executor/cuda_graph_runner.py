@@ -29,18 +29,15 @@ import bisect
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from srt.model_executor.step_inputs import GRAPH_FIELDS, GRAPH_PADDING, GraphInputs
 
 logger = logging.getLogger(__name__)
 
-# Padding rows: token 0 at position 0, written to the dummy KV slot 0, reading one token
-# of req_to_token row 0 (whatever it holds is a valid slot; the result is discarded).
-PAD_SEQ_LEN = 1
 WARMUP_RUNS = 2
 
 
@@ -61,56 +58,20 @@ def select_bucket(bs: int, sizes: list[int]) -> int | None:
 
 
 def padded_seq_lens(seq_lens: list[int], padded_bs: int) -> list[int]:
-    return list(seq_lens) + [PAD_SEQ_LEN] * (padded_bs - len(seq_lens))
+    return list(seq_lens) + [GRAPH_PADDING["seq_lens"]] * (padded_bs - len(seq_lens))
 
 
-_FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens")
-
-
-@dataclass(slots=True)
-class DecodeGraphInputs:
-    """The persistent tensors a captured decode graph reads, for up to `max_bs` rows."""
-
-    input_ids: torch.Tensor  # int64 [max_bs]
-    positions: torch.Tensor
-    out_cache_loc: torch.Tensor
-    req_pool_indices: torch.Tensor
-    seq_lens: torch.Tensor
-
-    @classmethod
-    def allocate(cls, max_bs: int, device: str | torch.device) -> DecodeGraphInputs:
-        def zeros() -> torch.Tensor:
-            return torch.zeros(max_bs, dtype=torch.int64, device=device)
-
-        inputs = cls(zeros(), zeros(), zeros(), zeros(), zeros())
-        inputs.seq_lens.fill_(PAD_SEQ_LEN)
-        return inputs
-
-    def fill(self, forward_batch: ForwardBatch, padded_bs: int) -> None:
-        """Copy the batch's rows in and make rows bs .. padded_bs padding."""
-        bs = forward_batch.batch_size
-        for name in _FIELDS:
-            getattr(self, name)[:bs].copy_(getattr(forward_batch, name), non_blocking=True)
-        self.pad(bs, padded_bs)
-
-    def pad(self, start: int, stop: int) -> None:
-        if stop <= start:
-            return
-        for name in _FIELDS:
-            getattr(self, name)[start:stop].fill_(PAD_SEQ_LEN if name == "seq_lens" else 0)
-
-    def forward_batch(self, padded_bs: int, seq_lens_cpu: list[int]) -> ForwardBatch:
-        """A DECODE batch viewing the first `padded_bs` rows (logits for every row)."""
-        return ForwardBatch(
-            forward_mode=ForwardMode.DECODE,
-            batch_size=padded_bs,
-            input_ids=self.input_ids[:padded_bs],
-            positions=self.positions[:padded_bs],
-            out_cache_loc=self.out_cache_loc[:padded_bs],
-            req_pool_indices=self.req_pool_indices[:padded_bs],
-            seq_lens=self.seq_lens[:padded_bs],
-            seq_lens_cpu=seq_lens_cpu,
-        )
+def graph_forward_batch(
+    views: dict[str, torch.Tensor], padded_bs: int, seq_lens_cpu: list[int]
+) -> ForwardBatch:
+    """A DECODE batch over a graph's static inputs (logits for every row)."""
+    return ForwardBatch(
+        forward_mode=ForwardMode.DECODE,
+        batch_size=padded_bs,
+        seq_lens_cpu=seq_lens_cpu,
+        graph_bs=padded_bs,
+        **views,
+    )
 
 
 class GraphCapture(Protocol):
@@ -174,21 +135,20 @@ class CudaGraphRunner:
         attn_backend: Any,
         req_to_token_pool: Any,
         token_to_kv_pool: Any,
-        max_bs: int,
-        device: str | torch.device,
+        inputs: GraphInputs,
         capture: GraphCapture | None = None,
     ) -> None:
         self.decoder, self.logits_head = split_decoder(model)
         self.attn_backend = attn_backend
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool = token_to_kv_pool
-        self.batch_sizes = capture_batch_sizes(max_bs)
+        self.batch_sizes = capture_batch_sizes(inputs.max_bs)
         self.max_bs = self.batch_sizes[-1]
-        self.inputs = DecodeGraphInputs.allocate(self.max_bs, device)
+        self.inputs = inputs
         page_size = token_to_kv_pool.page_size
         max_pages = -(-req_to_token_pool.max_context_len // page_size)
         attn_backend.init_cuda_graph_state(self.max_bs, max_pages)
-        self.capture_impl = capture or CudaGraphCapture(device)
+        self.capture_impl = capture or CudaGraphCapture(inputs.buffer.device)
         self.graphs: dict[int, Callable[[], None]] = {}
         self.hidden: dict[int, torch.Tensor] = {}
         self.batches: dict[int, ForwardBatch] = {}
@@ -203,6 +163,10 @@ class CudaGraphRunner:
             time.perf_counter() - tic,
         )
 
+    def bucket(self, bs: int) -> int | None:
+        """The padded size a decode batch of `bs` replays at (None: larger than any)."""
+        return select_bucket(bs, self.batch_sizes)
+
     def can_run(self, forward_batch: ForwardBatch) -> bool:
         return forward_batch.forward_mode.is_decode() and forward_batch.batch_size <= self.max_bs
 
@@ -213,8 +177,9 @@ class CudaGraphRunner:
         return forward_batch
 
     def _capture_one(self, bs: int) -> None:
-        self.inputs.pad(0, bs)
-        batch = self._attach(self.inputs.forward_batch(bs, padded_seq_lens([], bs)))
+        self.inputs.pad(bs)
+        views = self.inputs.views(bs)
+        batch = self._attach(graph_forward_batch(views, bs, padded_seq_lens([], bs)))
         self.attn_backend.init_forward_metadata_capture_cuda_graph(batch)
 
         def run() -> torch.Tensor:
@@ -223,16 +188,20 @@ class CudaGraphRunner:
         self.capture_impl.warm_up(run, WARMUP_RUNS)
         # Writing the buffers again bumps their version counters, so per-forward caches
         # keyed on them (the rotary cos/sin lookup) miss and get recorded into the graph.
-        self.inputs.pad(0, bs)
+        self.inputs.pad(bs)
         self.graphs[bs], self.hidden[bs] = self.capture_impl.capture(run)
         self.batches[bs] = batch
 
     def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        """Logits (float32 [bs, vocab]) of a DECODE batch, through the captured graph."""
+        """Logits (float32 [bs, vocab]) of a DECODE batch, through the captured graph. A batch
+        staged into the graph's inputs (`graph_bs` set) is there already; any other is
+        copied in first."""
         bs = forward_batch.batch_size
-        padded = select_bucket(bs, self.batch_sizes)
+        padded = forward_batch.graph_bs or select_bucket(bs, self.batch_sizes)
         assert padded is not None, f"batch of {bs} exceeds the captured {self.max_bs}"
-        self.inputs.fill(forward_batch, padded)
+        if forward_batch.graph_bs is None:
+            fields = {name: getattr(forward_batch, name) for name in GRAPH_FIELDS}
+            self.inputs.fill(fields, padded)
         batch = self.batches[padded]
         batch.seq_lens_cpu = padded_seq_lens(forward_batch.seq_lens_cpu, padded)
         self.attn_backend.init_forward_metadata_replay_cuda_graph(batch)

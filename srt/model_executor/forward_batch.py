@@ -63,6 +63,9 @@ class ForwardBatch:
     # to them first): the LM head may return logits exact only where a row's maximum can be
     # (`LMHead.argmax_logits`).
     argmax_only: bool = False
+    # A decode batch staged straight into the static inputs of the CUDA graph of this padded
+    # size (`step_inputs.GraphInputs`): its replay copies nothing. None: staged elsewhere.
+    graph_bs: int | None = None
     # Pools and backend for this forward.
     req_to_token_pool: ReqToTokenPool | None = None
     token_to_kv_pool: MHATokenToKVPool | None = None

@@ -41,6 +41,7 @@ from srt.layers.cpu_packed import prepack_cpu_weights
 from srt.layers.fused_kernels import enable_cpu_ops
 from srt.model_executor.cpu_decode_layer_runner import enable_fused_decode
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner
+from srt.model_executor.device_memory import device_memory
 from srt.model_executor.forward_batch import ForwardBatch
 from srt.model_executor.memory_sizing import (
     CPU_DEFAULT_MEM_FRACTION,
@@ -59,6 +60,7 @@ from srt.model_executor.memory_sizing import (
     round_pool_size,
     sampler_reserve_bytes,
 )
+from srt.model_executor.step_inputs import GraphInputs, StepStager
 from srt.model_loader.loader import get_model
 from srt.sampling.registry import make_sampler
 from srt.server_args import ServerArgs
@@ -123,7 +125,11 @@ class ModelRunner:
         )
         self.init_memory_pool()
         self.sampler = make_sampler(server_args.sampling_backend, self.device)
-        self.cuda_graph_runner = self.init_cuda_graphs()
+        self.memory = device_memory(self.device)
+        graph_bs = self._graph_max_bs() if self.device.startswith("cuda") else 0
+        graph_inputs = GraphInputs(graph_bs, self.memory) if graph_bs else None
+        self.stager = StepStager(self.memory, graph_inputs)
+        self.cuda_graph_runner = self.init_cuda_graphs(graph_inputs)
 
     def init_memory_pool(self) -> None:
         cfg, args = self.local_config, self.server_args
@@ -164,7 +170,9 @@ class ModelRunner:
             cfg.num_hidden_layers,
             self.device,
         )
-        self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, args.page_size, self.device)
+        # Slots are bookkeeping: they stay on the host and reach the device staged with the
+        # batch that writes them (step_inputs.py).
+        self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, args.page_size, "cpu")
         logger.info(
             "KV pool: %d tokens (%.2f GiB, %s), max running requests %d, page size %d, "
             "attention backend %s%s",
@@ -249,7 +257,13 @@ class ModelRunner:
             and self.tp.size == 1
         )
 
-    def init_cuda_graphs(self) -> CudaGraphRunner | None:
+    def _graph_max_bs(self) -> int:
+        """The largest decode batch a graph is captured for (0: no graphs)."""
+        if not self._graphs_possible():
+            return 0
+        return max(min(self.server_args.cuda_graph_max_bs, self.max_running_requests), 0)
+
+    def init_cuda_graphs(self, graph_inputs: GraphInputs | None) -> CudaGraphRunner | None:
         args = self.server_args
         if not self.device.startswith("cuda") or args.disable_cuda_graph:
             return None
@@ -263,17 +277,20 @@ class ModelRunner:
                 self.tp.size,
             )
             return None
-        max_bs = min(args.cuda_graph_max_bs, self.max_running_requests)
-        if max_bs < 1:
+        if graph_inputs is None:
             return None
         return CudaGraphRunner(
             self.model,
             self.attn_backend,
             self.req_to_token_pool,
             self.token_to_kv_pool,
-            max_bs,
-            self.device,
+            graph_inputs,
         )
+
+    def graph_batch_size(self, bs: int) -> int | None:
+        """The padded size of the graph a decode batch of `bs` replays (None: eager)."""
+        graphs = self.cuda_graph_runner
+        return None if graphs is None else graphs.bucket(bs)
 
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:

@@ -62,12 +62,12 @@ class ScriptedWorker:
 
     def forward_batch_generation(self, mwb: ModelWorkerBatch) -> GenerationBatchResult:
         self.forward_calls.append(mwb)
-        self.slot_token[mwb.out_cache_loc] = mwb.input_ids
-        self.slot_pos[mwb.out_cache_loc] = mwb.positions
+        self.slot_token[mwb.out_cache_loc] = torch.tensor(mwb.input_ids, dtype=torch.int64)
+        self.slot_pos[mwb.out_cache_loc] = mwb.positions()
         table = self.req_to_token_pool.req_to_token
         cfg = self.model_config
         next_ids = []
-        for row, seq_len in zip(mwb.req_pool_indices.tolist(), mwb.seq_lens_cpu, strict=True):
+        for row, seq_len in zip(mwb.req_pool_indices, mwb.seq_lens, strict=True):
             slots = table[row, :seq_len].long()
             assert bool((slots > 0).all()), f"row {row} reads the dummy slot"
             positions = self.slot_pos[slots]

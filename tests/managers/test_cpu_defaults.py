@@ -91,7 +91,7 @@ def test_prefill_budget_grows_with_the_queue_on_cpu(
 
 def extend_sizes(worker: ScriptedWorker) -> list[int]:
     """Requests per prefill batch, in order."""
-    return [len(b.seq_lens_cpu) for b in worker.forward_calls if b.forward_mode.is_extend()]
+    return [len(b.seq_lens) for b in worker.forward_calls if b.forward_mode.is_extend()]
 
 
 def test_a_long_queue_prefills_in_larger_batches_that_shrink_with_it() -> None:
@@ -131,5 +131,5 @@ def test_cpu_prefill_batches_keep_to_the_default_budget() -> None:
     outs = driver.generate(prompts, {"max_new_tokens": 3, "ignore_eos": True})
     assert all(len(o["output_ids"]) == 3 for o in outs)
     extends = [b for b in worker.forward_calls if b.forward_mode.is_extend()]
-    assert [len(b.seq_lens_cpu) for b in extends] == [2, 2, 2]
+    assert [len(b.seq_lens) for b in extends] == [2, 2, 2]
     assert_idle_and_clean(driver)

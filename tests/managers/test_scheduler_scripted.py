@@ -119,7 +119,7 @@ def test_chunked_prefill_same_tokens(page_size: int) -> None:
     for p, o in zip(ps, outs, strict=True):
         assert o["output_ids"] == scripted_output(p, 8)
     extend_calls = [c for c in chunked.worker.forward_calls if c.forward_mode.is_extend()]
-    assert max(sum(c.extend_seq_lens_cpu) for c in extend_calls) <= 32
+    assert max(sum(c.extend_lens()) for c in extend_calls) <= 32
     assert len(extend_calls) >= 4 * 300 // 32
     assert_idle_and_clean(chunked)
 
@@ -146,8 +146,8 @@ def test_mixed_batches_without_chunking() -> None:
     mixed = [c for c in driver.worker.forward_calls if c.forward_mode.is_mixed()]
     assert len(mixed) >= 3
     for call in mixed:
-        new = [n for n in call.extend_seq_lens_cpu if n > 1]  # prompts: 25..29 tokens
-        decodes = len(call.extend_seq_lens_cpu) - len(new)
+        new = [n for n in call.extend_lens() if n > 1]  # prompts: 25..29 tokens
+        decodes = len(call.extend_lens()) - len(new)
         assert decodes > 0 and (len(new) == 1 or sum(new) + decodes <= 60)
     assert_idle_and_clean(driver)
 
@@ -272,7 +272,7 @@ def test_paged_admission_counts_whole_pages() -> None:
     for p, o in zip(ps, outs, strict=True):
         assert o["output_ids"] == scripted_output(p, 2)
     first_prefill = next(c for c in driver.worker.forward_calls if c.forward_mode.is_extend())
-    assert len(first_prefill.seq_lens_cpu) <= 4
+    assert len(first_prefill.seq_lens) <= 4
     assert_idle_and_clean(driver)
 
 

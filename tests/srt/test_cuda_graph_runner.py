@@ -15,18 +15,19 @@ import torch
 
 from attention.registry import create_attention_backend
 from srt.model_executor.cuda_graph_runner import (
-    PAD_SEQ_LEN,
     WARMUP_RUNS,
     CudaGraphCapture,
     CudaGraphRunner,
-    DecodeGraphInputs,
     EagerCapture,
     GraphCapture,
     capture_batch_sizes,
+    graph_forward_batch,
     padded_seq_lens,
     select_bucket,
 )
-from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from srt.model_executor.device_memory import SharedMemory
+from srt.model_executor.forward_batch import ForwardMode
+from srt.model_executor.step_inputs import GRAPH_PADDING, GraphInputs
 from srt.server_args import ServerArgs
 from tests.attention.fake_flashinfer import make_fake_flashinfer
 from tests.srt.forward_helpers import ForwardBatchBuilder
@@ -54,29 +55,32 @@ def test_select_bucket_pads_to_nearest_captured_size() -> None:
 
 
 def test_inputs_fill_and_pad() -> None:
-    inputs = DecodeGraphInputs.allocate(8, "cpu")
-    batch = ForwardBatch(
-        forward_mode=ForwardMode.DECODE,
-        batch_size=3,
-        input_ids=torch.tensor([11, 12, 13]),
-        positions=torch.tensor([4, 9, 2]),
-        out_cache_loc=torch.tensor([40, 41, 42]),
-        req_pool_indices=torch.tensor([5, 1, 7]),
-        seq_lens=torch.tensor([5, 10, 3]),
-        seq_lens_cpu=[5, 10, 3],
-    )
-    inputs.input_ids.fill_(99)  # stale rows from an earlier, larger batch
-    inputs.fill(batch, 4)
-    assert inputs.input_ids[:4].tolist() == [11, 12, 13, 0]
-    assert inputs.positions[:4].tolist() == [4, 9, 2, 0]
-    assert inputs.out_cache_loc[:4].tolist() == [40, 41, 42, 0]  # padding writes slot 0
-    assert inputs.req_pool_indices[:4].tolist() == [5, 1, 7, 0]
-    assert inputs.seq_lens[:4].tolist() == [5, 10, 3, PAD_SEQ_LEN]
-    assert inputs.input_ids[4:].tolist() == [99] * 4  # rows beyond the bucket untouched
-    assert padded_seq_lens([5, 10, 3], 4) == [5, 10, 3, PAD_SEQ_LEN]
-    view = inputs.forward_batch(4, padded_seq_lens([5, 10, 3], 4))
-    assert view.batch_size == 4 and view.logits_indices is None
-    assert view.input_ids.data_ptr() == inputs.input_ids.data_ptr()
+    """A graph of padded size P reads its five fields at offsets 0, P, .. 4P of one buffer;
+    filling a batch of 3 into the graph of 4 pads the fourth row, and touches nothing past
+    that graph's fields."""
+    pad_len = GRAPH_PADDING["seq_lens"]
+    inputs = GraphInputs(8, SharedMemory(torch.device("cpu")))
+    inputs.buffer.fill_(99)  # stale data from an earlier, larger batch
+    fields = {
+        "input_ids": torch.tensor([11, 12, 13]),
+        "positions": torch.tensor([4, 9, 2]),
+        "out_cache_loc": torch.tensor([40, 41, 42]),
+        "req_pool_indices": torch.tensor([5, 1, 7]),
+        "seq_lens": torch.tensor([5, 10, 3]),
+    }
+    inputs.fill(fields, 4)
+    views = inputs.views(4)
+    assert views["input_ids"].tolist() == [11, 12, 13, 0]
+    assert views["positions"].tolist() == [4, 9, 2, 0]
+    assert views["out_cache_loc"].tolist() == [40, 41, 42, 0]  # padding writes slot 0
+    assert views["req_pool_indices"].tolist() == [5, 1, 7, 0]
+    assert views["seq_lens"].tolist() == [5, 10, 3, pad_len]
+    assert inputs.buffer[:20].tolist() == [x for v in views.values() for x in v.tolist()]
+    assert inputs.buffer[20:].tolist() == [99] * (len(inputs.buffer) - 20)
+    assert padded_seq_lens([5, 10, 3], 4) == [5, 10, 3, pad_len]
+    view = graph_forward_batch(views, 4, padded_seq_lens([5, 10, 3], 4))
+    assert view.batch_size == 4 and view.logits_indices is None and view.graph_bs == 4
+    assert view.input_ids.data_ptr() == inputs.buffer.data_ptr()
 
 
 @pytest.fixture
@@ -117,8 +121,7 @@ def check_replay_matches_eager(
         backend,
         builder.req_to_token_pool,
         builder.kv_pool,
-        max_bs=8,
-        device=device,
+        GraphInputs(8, SharedMemory(torch.device(device))),
         capture=capture,
     )
     assert runner.batch_sizes == [1, 2, 4, 8]
@@ -245,8 +248,9 @@ def test_capture_warms_up_on_the_capture_stream_then_synchronizes(
         max_context_len=128,
     )
     capture = CudaGraphCapture("cpu")
+    inputs = GraphInputs(4, SharedMemory(torch.device("cpu")))
     runner = CudaGraphRunner(
-        model, backend, builder.req_to_token_pool, builder.kv_pool, 4, "cpu", capture=capture
+        model, backend, builder.req_to_token_pool, builder.kv_pool, inputs, capture=capture
     )
     assert runner.batch_sizes == [1, 2, 4]
     one_size = [
