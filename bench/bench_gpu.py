@@ -171,9 +171,8 @@ def freed_after() -> Iterator[list[Any]]:
 def stop_forward_worker(obj: Any) -> None:
     """Stop a driver's overlap thread (a no-op for the normal loop, or when stopped)."""
     forward_worker = getattr(getattr(obj, "scheduler", None), "forward_worker", None)
-    if forward_worker is not None and forward_worker.thread.is_alive():
-        forward_worker.stop()
-        forward_worker.thread.join(timeout=60)
+    if forward_worker is not None:
+        forward_worker.close()
 
 
 def bench_decode(

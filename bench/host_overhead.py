@@ -6,6 +6,11 @@ double, `batch` requests in steady decode, `scheduler.step()` timed wall clock. 
 the host's cost per step: planning, KV bookkeeping, batch and sampling inputs, the attention
 backend's metadata, the argmax sampler, result processing, the overlap loop's thread handoff.
 
+The "-gpu" loops (`normal-gpu`, `overlap-gpu`) run the GPU path's host work on this CPU
+(`device_memory.StandInMemory`: a separate "device" copy of the request table and of every
+staged input, the overlap loop without its thread), which is what a GPU's host pays per step;
+trees without a GPU path on a CPU show "—".
+
 "Before" runs the same core against a detached `git worktree` of `--ref` (the child gets that
 tree on PYTHONPATH, so it imports the old code); "after" runs it against this repository. The
 two sides alternate (ABAB) so the machine's drift hits both.
@@ -87,7 +92,9 @@ def machine() -> dict[str, Any]:
     }
 
 
-def summarize(runs: list[dict[str, Any]]) -> dict[str, float]:
+def summarize(runs: list[dict[str, Any]]) -> dict[str, float] | None:
+    if any("unsupported" in run for run in runs):
+        return None  # the GPU path on a CPU, asked of a tree that has none
     us = sorted(x for run in runs for x in run["samples_us"])
     return {"median_us": statistics.median(us), "p90_us": us[int(0.9 * (len(us) - 1))]}
 
@@ -107,6 +114,11 @@ def table(rows: list[dict[str, Any]], with_before: bool) -> str:
     ]
     for r in rows:
         b, a = r["before"], r["after"]
+        if b is None:
+            lines.append(
+                f"| {r['loop']} | {r['batch']} | — | {a['median_us']:.0f} ({a['p90_us']:.0f}) | — |"
+            )
+            continue
         lines.append(
             f"| {r['loop']} | {r['batch']} | {b['median_us']:.0f} ({b['p90_us']:.0f}) | "
             f"{a['median_us']:.0f} ({a['p90_us']:.0f}) | {a['median_us'] / b['median_us']:.2f} |"
@@ -137,7 +149,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--ref", default=DEFAULT_REF, help="the 'before' commit (default %(default)s)")
     p.add_argument("--no-ref", action="store_true", help="run this tree only (no before)")
-    p.add_argument("--loops", nargs="+", default=["normal", "overlap"])
+    p.add_argument(
+        "--loops",
+        nargs="+",
+        default=["normal", "overlap", "normal-gpu", "overlap-gpu"],
+        help="'-gpu': the GPU path's host work, run on this CPU (after only)",
+    )
     p.add_argument("--batches", nargs="+", type=int, default=[1, 64, 256])
     p.add_argument("--steps", type=int, default=200, help="timed decode steps per run")
     p.add_argument("--warmup", type=int, default=10, help="decode steps before timing")
@@ -146,7 +163,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", help="also write the markdown report here")
     p.add_argument("--json", help="write the JSON record (every step's time) here")
     p.add_argument("--profile", help="cProfile the timed steps of this tree to this file")
-    p.add_argument("--profile-loop", default="normal", choices=["normal", "overlap"])
+    p.add_argument(
+        "--profile-loop",
+        default="normal",
+        choices=["normal", "overlap", "normal-gpu", "overlap-gpu"],
+    )
     p.add_argument("--profile-batch", type=int, default=256)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per child")
     return p.parse_args(argv)
@@ -181,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         + ", ".join(
                             f"{k} {row[k]['median_us']:.0f} µs"
                             for k in ("before", "after")
-                            if k in row
+                            if row.get(k) is not None
                         ),
                         file=sys.stderr,
                     )

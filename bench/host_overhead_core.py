@@ -31,9 +31,16 @@ PROMPT_LEN = 8
 READY_STEP_LIMIT = 200  # steps allowed until every request has its first token
 
 
+class Unsupported(Exception):
+    """The tree under test cannot run this configuration (the GPU path on a CPU needs
+    `StandInMemory`)."""
+
+
 @dataclass
 class Config:
-    loop: str  # "normal" or "overlap"
+    # "normal" or "overlap"; with "-gpu" the GPU path's host work, on this CPU
+    # (`device_memory.StandInMemory`), where the tree has it.
+    loop: str
     batch: int
     steps: int = 200
     warmup: int = 10
@@ -56,7 +63,8 @@ class NoOpModel:
         self.rows: list[int] = []
 
     def __call__(self, input_ids: Any, positions: Any, forward_batch: Any) -> Any:
-        n = len(forward_batch.logits_indices)
+        rows = forward_batch.logits_indices
+        n = forward_batch.batch_size if rows is None else len(rows)  # None: one per request
         self.rows.append(n)
         return self.logits[:n]
 
@@ -97,6 +105,9 @@ def measure(cfg: Config) -> dict[str, Any]:
     from srt.sampling.sampling_params import SamplingParams
     from srt.server_args import ServerArgs
 
+    loop = cfg.loop.removesuffix("-gpu")
+    if cfg.loop.endswith("-gpu"):
+        stand_in_for_a_gpu()
     max_new = READY_STEP_LIMIT + cfg.warmup + cfg.steps + 8
     with tempfile.TemporaryDirectory(prefix="host-overhead-") as tmp:
         args = ServerArgs(
@@ -107,7 +118,7 @@ def measure(cfg: Config) -> dict[str, Any]:
             skip_tokenizer_init=True,
             max_total_tokens=2 * cfg.batch * (PROMPT_LEN + max_new) + 1024,
             max_running_requests=cfg.batch,
-            disable_overlap_schedule=cfg.loop == "normal",
+            disable_overlap_schedule=loop == "normal",
             # So no two requests share KV: with this vocabulary many prompts begin with the
             # same token, and the CPU attention backend would group them by shared prefix every
             # step, work that random prompts over a real vocabulary never cause. A decode step
@@ -183,6 +194,23 @@ def measure(cfg: Config) -> dict[str, Any]:
     }
 
 
+def stand_in_for_a_gpu() -> None:
+    """Make every module that asks `device_memory` get `StandInMemory` for the CPU."""
+    try:
+        from srt.model_executor import device_memory
+    except ImportError as e:
+        raise Unsupported("no GPU path to run on a CPU in this tree") from e
+    import managers.overlap_worker
+    import mem_cache.memory_pool
+    import srt.model_executor.model_runner
+
+    def pick(device: Any) -> Any:
+        return device_memory.StandInMemory(device)
+
+    for module in (managers.overlap_worker, mem_cache.memory_pool, srt.model_executor.model_runner):
+        module.device_memory = pick
+
+
 def write_profile(profiler: Any, cfg: Config) -> None:
     import io
     import pstats
@@ -198,7 +226,10 @@ def write_profile(profiler: Any, cfg: Config) -> None:
 
 
 if __name__ == "__main__":
-    result = measure(Config(**json.loads(sys.argv[1])))
+    try:
+        result = measure(Config(**json.loads(sys.argv[1])))
+    except Unsupported as e:
+        result = {"unsupported": str(e)}
     Path(sys.argv[2]).write_text(json.dumps(result))
     sys.stdout.flush()
     os._exit(0)  # no wait on the overlap loop's forward thread or native teardown

@@ -141,6 +141,12 @@ class OverlapWorker:
         if self.threaded:
             self.inputs.put(None)
 
+    def close(self, timeout: float = THREAD_JOIN_TIMEOUT_S) -> None:
+        """Stop the forward thread, if any, and wait for it to end."""
+        if self.thread is not None and self.thread.is_alive():
+            self.stop()
+            self.thread.join(timeout=timeout)
+
     # ---- forward thread ------------------------------------------------------------
     def run_one(self, mwb: ModelWorkerBatch, first: int, done: LaunchedForward) -> None:
         try:

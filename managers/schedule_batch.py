@@ -109,6 +109,9 @@ class BatchLaunch:
     retract_counts: list[int]  # a request retracted since launch has its token dropped
     placeholders: list[int] | None  # overlap loop: the future token id of each request
     continuous: bool = False  # overlap loop: launched right after another batch
+    # Every row sampled its argmax with nothing applied first: no request of the batch
+    # needs its latest token on the host to build the next batch (`Req.needs_sync`).
+    argmax_only: bool = False
 
 
 @dataclass

@@ -30,20 +30,23 @@ class Emitter:
         if not reqs:
             return
         outputs: list[ReqOutput] = []
+        append = outputs.append
         for req in reqs:
-            outputs.append(
+            out, logprobs = req.output_ids, req.logprobs
+            # Positional: this runs for every streaming request every step.
+            append(
                 ReqOutput(
-                    rid=req.rid,
-                    new_token_ids=req.output_ids[req.sent_output_len :],
-                    finish_reason=req.finished_reason,
-                    prompt_tokens=len(req.origin_input_ids),
-                    completion_tokens=len(req.output_ids),
-                    cached_tokens=req.cached_tokens or 0,
-                    decode_options=req.decode_options(),
-                    logprobs=req.logprobs.take_delta() if req.logprobs is not None else None,
+                    req.rid,
+                    out[req.sent_output_len :],
+                    req.finished_reason,
+                    len(req.origin_input_ids),
+                    len(out),
+                    req.cached_tokens or 0,
+                    req.decode_options(),
+                    logprobs.take_delta() if logprobs is not None else None,
                 )
             )
-            req.sent_output_len = len(req.output_ids)
+            req.sent_output_len = len(out)
         self.sink(BatchTokenIDOut(outputs))
 
     def fail(self, req: Req, message: str, status_code: int | None = None) -> None:

@@ -220,8 +220,11 @@ class Scheduler:
 
     def step_overlap(self, grammar_done: list[int] | None = None) -> bool:
         """Build and launch batch N+1, then process batch N while N+1 runs (module doc)."""
-        if self.pending is not None and any(
-            r.needs_sync() for r in self.pending.reqs if not r.finished()
+        pending = self.pending
+        if (
+            pending is not None
+            and not pending.argmax_only
+            and any(r.needs_sync() for r in pending.reqs if not r.finished())
         ):
             self._finish_pending()  # building needs their latest tokens on the host
             self.kv.release_rows(self.kv.take_held_rows())
@@ -231,8 +234,10 @@ class Scheduler:
             self.queues.last_batch = batch
             if batch is not None:
                 self.was_idle = False
-                placeholders = self.forward_worker.launch(self._worker_batch(batch))
+                worker_batch = self._worker_batch(batch)
+                placeholders = self.forward_worker.launch(worker_batch)
                 launched = batch.launch_record(placeholders)
+                launched.argmax_only = worker_batch.sampling_info is None
                 launched.continuous = self.launched_last_step
                 self.output.forward_ct += 1
                 held = self.kv.take_held_rows()

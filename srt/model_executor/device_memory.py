@@ -95,3 +95,13 @@ class CudaMemory:
 def device_memory(device: str | torch.device) -> DeviceMemory:
     device = torch.device(device)
     return CudaMemory(device) if device.type == "cuda" else SharedMemory(device)
+
+
+class StandInMemory(SharedMemory):
+    """A CPU standing in for a device with memory of its own: every "device" tensor is a
+    separate CPU tensor, so the GPU path's host work (the request table's mirror, the
+    staging copy, the result channel, the overlap loop without its thread) runs and can be
+    timed on a CPU (`bench/host_overhead.py --loops overlap-gpu`). Copies are done when they
+    return, so there are no events."""
+
+    separate = True

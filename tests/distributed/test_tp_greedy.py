@@ -134,7 +134,8 @@ def test_local_model_config_has_the_rank_heads() -> None:
 def _take_leader_ids(tp: TPGroup) -> tuple[list[int], int]:
     worker = ModelWorker.__new__(ModelWorker)
     worker.tp, worker.num_forwards, worker.tp_sample_mismatches = tp, 1, 0
-    ids = worker._take_leader_ids(torch.tensor([7, 8 + tp.rank, 9 + 2 * tp.rank]))
+    ids, differ = worker._take_leader_ids(torch.tensor([7, 8 + tp.rank, 9 + 2 * tp.rank]))
+    worker._count_mismatches(int(differ), len(ids))  # what resolving the result does
     return ids.tolist(), worker.tp_sample_mismatches
 
 
@@ -236,6 +237,11 @@ def _followers_sample_otherwise(tp: TPGroup, driver: InProcessDriver) -> None:
         return out
 
     sampler.forward = shifted
+    # Argmax-only batches skip the sampler: shift the worker's argmax too.
+    import managers.model_worker as model_worker
+
+    argmax = model_worker.greedy_ids
+    model_worker.greedy_ids = lambda logits: (argmax(logits) + 1) % VOCAB
 
 
 @pytest.mark.slow

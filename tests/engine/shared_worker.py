@@ -15,10 +15,8 @@ from srt.server_args import ServerArgs
 def release(driver: InProcessDriver) -> None:
     """Stop the driver's forward thread (overlap loop) and empty its radix cache."""
     forward_worker = getattr(driver.scheduler, "forward_worker", None)
-    thread = getattr(forward_worker, "thread", None)
-    if thread is not None and thread.is_alive():
-        forward_worker.stop()
-        forward_worker.thread.join(timeout=60)
+    if forward_worker is not None:
+        forward_worker.close()
     assert driver.scheduler.flush_cache(), "flush refused: requests still held"
 
 

@@ -46,8 +46,7 @@ def driver(**kw) -> Iterator[InProcessDriver]:
     finally:
         forward_worker = getattr(d.scheduler, "forward_worker", None)
         if forward_worker is not None:
-            forward_worker.stop()
-            forward_worker.thread.join(timeout=30)
+            forward_worker.close(timeout=30)
         del d, forward_worker
         gc.collect()
         torch.cuda.empty_cache()
