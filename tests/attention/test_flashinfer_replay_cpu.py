@@ -24,6 +24,7 @@ from attention import RadixAttention, flashinfer_utils
 from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from tests.attention.fake_flashinfer import make_fake_flashinfer
 from tests.attention.test_flashinfer_backend_cpu import make_backend
+from tests.gpu.test_flashinfer_graph_replay import eager_graph, run_graph_steps
 from tests.srt.forward_helpers import ForwardBatchBuilder
 
 HEAD_DIM = 16
@@ -284,3 +285,12 @@ def check_full_plan_replays(caplog, reason: str, full_plans_at_capture: int = 1)
         got = g.attend(backend, padded, queries)
         assert torch.equal(got[:, :3], g.attend(backend, batch, queries[:, :3]))
     assert wrapper.full_plans == full_plans_at_capture + 3
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (8, 2)])
+def test_gpu_replay_driver_on_the_double(fake_flashinfer, page_size, heads, kv_heads) -> None:
+    """tests/gpu/test_flashinfer_graph_replay's driver, here with eager "graphs"."""
+    worst, backend = run_graph_steps("cpu", heads, kv_heads, HEAD_DIM, page_size, eager_graph)
+    assert set(backend.graphs.paths.values()) == {"fast"}
+    assert worst < 3e-2
