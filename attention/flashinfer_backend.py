@@ -22,13 +22,18 @@ CUDA graphs (`flashinfer_replay.GraphDecodePlans`): one decode wrapper per captu
 size (`use_cuda_graph=True`) over persistent indptr / indices / last_page_len buffers
 shared by all of them. Capture plans it in full; replay, once per graph step, writes the
 page table on the device straight into those buffers from the staged `seq_lens` and re-runs
-only FlashInfer's work-partition plan from a numpy indptr of `seq_lens_cpu`, with no device
--> host copy or sync (falling back to `wrapper.plan` where FlashInfer's internals are not
-the ones it knows).
+only FlashInfer's work-partition plan from a numpy indptr of `seq_lens_cpu`. Why: the graph
+step is launched while the previous one still runs, so its plan must not wait for the
+device: no device -> host copy, no pageable host -> device copy (which the driver may
+serialise with the stream), no per-request Python loop. Where FlashInfer's internals are not
+the 0.7.2 ones this relies on, replay falls back to `wrapper.plan` (logged once).
 
 Every plan, eager or graph, writes the wrapper's pinned plan buffer, whose upload may still
-be queued when the host, a step ahead of the GPU, plans again: `PinnedPlanGuard` (one event
-per wrapper, waited on only if not done) orders the two. One float workspace, allocated
+be queued when the host, a step ahead of the GPU, plans again: `PinnedPlanGuard` records an
+event per wrapper after each plan and waits on it before the next only if `query()` says it
+is not done. An event rather than a second pinned buffer: the wait almost never blocks, and
+double-buffering would still need the event against a host two steps ahead (the trade-off is
+spelled out in `PinnedPlanGuard`). One float workspace, allocated
 once and zeroed, serves every wrapper (they never run at the same time); every wrapper runs
 FlashInfer's FA2 kernels (`FLASHINFER_KERNELS`). `flashinfer` is imported when the backend
 is built; the registry imports this module only when it is chosen.
