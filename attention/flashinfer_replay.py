@@ -232,6 +232,8 @@ class GraphDecodePlans:
             return self.wrappers[bs]
         req_pool = backend.check_pool(forward_batch)
         lens = host_lens(forward_batch.seq_lens_cpu)
+        if len(lens) != bs:  # FlashInfer's plan would read past a short indptr
+            raise ValueError(f"seq_lens_cpu has {len(lens)} entries for a graph of {bs}")
         indptr = host_kv_indptr(lens, backend.page_size)
         total = int(indptr[-1])
         if total > len(self.indices):

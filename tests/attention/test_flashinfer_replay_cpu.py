@@ -294,3 +294,12 @@ def test_gpu_replay_driver_on_the_double(fake_flashinfer, page_size, heads, kv_h
     worst, backend = run_graph_steps("cpu", heads, kv_heads, HEAD_DIM, page_size, eager_graph)
     assert set(backend.graphs.paths.values()) == {"fast"}
     assert worst < 3e-2
+
+
+def test_replay_rejects_unpadded_host_lengths(fake_flashinfer) -> None:
+    g = Graphs(4, 2, page_size=1)
+    backend = g.capture()
+    batch = g.padded(g.decode([0, 1, 2]), 4)
+    batch.seq_lens_cpu = batch.seq_lens_cpu[:3]
+    with pytest.raises(ValueError, match="3 entries for a graph of 4"):
+        backend.init_forward_metadata_replay_cuda_graph(batch)
