@@ -18,12 +18,25 @@ tensors would make it copy them back with a sync). Run (`forward_extend` /
 `forward_decode`, once per layer) makes no host decisions: it views the layer's K/V pool
 buffers as `[pages, page_size, Hkv, D]` ("NHD") and calls the planned wrapper.
 
-CUDA graphs: one decode wrapper per captured batch size (`use_cuda_graph=True`) over
-persistent indptr / indices / last_page_len buffers shared by all of them; replay re-plans
-the same wrapper, which rewrites those buffers in place. One float workspace, allocated
+CUDA graphs (`flashinfer_replay.GraphDecodePlans`): one decode wrapper per captured batch
+size (`use_cuda_graph=True`) over persistent indptr / indices / last_page_len buffers
+shared by all of them. Capture plans it in full; replay, once per graph step, writes the
+page table on the device straight into those buffers from the staged `seq_lens` and re-runs
+only FlashInfer's work-partition plan from a numpy indptr of `seq_lens_cpu`. Why: the graph
+step is launched while the previous one still runs, so its plan must not wait for the
+device: no device -> host copy, no pageable host -> device copy (which the driver may
+serialise with the stream), no per-request Python loop. Where FlashInfer's internals are not
+the 0.7.2 ones this relies on, replay falls back to `wrapper.plan` (logged once).
+
+Every plan, eager or graph, writes the wrapper's pinned plan buffer, whose upload may still
+be queued when the host, a step ahead of the GPU, plans again: `PinnedPlanGuard` records an
+event per wrapper after each plan and waits on it before the next only if `query()` says it
+is not done. An event rather than a second pinned buffer: the wait almost never blocks, and
+double-buffering would still need the event against a host two steps ahead (the trade-off is
+spelled out in `PinnedPlanGuard`). One float workspace, allocated
 once and zeroed, serves every wrapper (they never run at the same time); every wrapper runs
-FlashInfer's FA2 kernels (`FLASHINFER_KERNELS`). `flashinfer` is imported
-when the backend is built; the registry imports this module only when it is chosen.
+FlashInfer's FA2 kernels (`FLASHINFER_KERNELS`). `flashinfer` is imported when the backend
+is built; the registry imports this module only when it is chosen.
 """
 
 from __future__ import annotations
@@ -35,8 +48,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from attention import flashinfer_utils
 from attention.base import AttentionBackend
+from attention.flashinfer_replay import GraphDecodePlans, PageTable
 from attention.flashinfer_utils import (
+    PinnedPlanGuard,
     build_kv_indices,
     decode_use_tensor_cores,
     host_indptr,
@@ -87,6 +103,7 @@ class FlashInferAttnBackend(AttentionBackend):
         sm_scale: float | None = None,
         decode_tensor_cores: bool | None = None,
         workspace_bytes: int = WORKSPACE_BYTES,
+        fast_replay: bool = True,
         **_unused: Any,
     ) -> None:
         import flashinfer  # the GPU package: imported here, when the backend is chosen
@@ -96,7 +113,7 @@ class FlashInferAttnBackend(AttentionBackend):
                 f"the flashinfer backend needs a float16 or bfloat16 model, not {dtype}; "
                 "use --dtype bfloat16 or --attention-backend torch_native"
             )
-        self._fi = flashinfer
+        self.flashinfer = flashinfer
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -123,10 +140,11 @@ class FlashInferAttnBackend(AttentionBackend):
             use_tensor_cores=decode_tensor_cores,
             backend=FLASHINFER_KERNELS,
         )
-        self._graph_wrappers: dict[int, Any] = {}
-        self._graph_indptr: torch.Tensor | None = None
-        self._graph_indices: torch.Tensor | None = None
-        self._graph_last_page_len: torch.Tensor | None = None
+        # Graph replays re-plan through FlashInfer internals when it is 0.7.2 (see
+        # flashinfer_replay); False keeps `wrapper.plan` there.
+        self.fast_replay = fast_replay
+        self.guard = PinnedPlanGuard(flashinfer_utils.plan_event_factory(self.workspace.device))
+        self.graphs: GraphDecodePlans | None = None
         logger.info(
             "flashinfer backend: %s kernels, page size %d, decode tensor cores %s, "
             "workspace %d MiB",
@@ -139,10 +157,10 @@ class FlashInferAttnBackend(AttentionBackend):
     # ---- plan -------------------------------------------------------------------------
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        self._check_pool(forward_batch)
+        self.check_pool(forward_batch)
         mode = forward_batch.forward_mode
         if mode.is_decode():
-            self._plan_decode(self.decode, forward_batch)
+            self.plan_decode(self.decode, forward_batch)
         elif mode.is_extend():
             self._plan_extend(forward_batch)
         else:
@@ -160,7 +178,8 @@ class FlashInferAttnBackend(AttentionBackend):
         qo_indptr = host_indptr(extend_lens)
         common = self._plan_kwargs()
         if not any(prefix_lens):
-            self.ragged_prefill.plan(
+            self._plan(
+                self.ragged_prefill,
                 qo_indptr,
                 qo_indptr,
                 self.num_heads,
@@ -174,7 +193,8 @@ class FlashInferAttnBackend(AttentionBackend):
             )
             return
         indptr, indices, last_page_len = self._page_table(forward_batch)
-        self.paged_prefill.plan(
+        self._plan(
+            self.paged_prefill,
             qo_indptr,
             indptr,
             indices,
@@ -188,9 +208,11 @@ class FlashInferAttnBackend(AttentionBackend):
         )
         forward_batch.attn_metadata = FlashInferMetadata(PlanKind.PAGED_PREFILL, self.paged_prefill)
 
-    def _plan_decode(self, wrapper: Any, forward_batch: ForwardBatch) -> None:
+    def plan_decode(self, wrapper: Any, forward_batch: ForwardBatch) -> None:
+        """The full plan of a decode wrapper (eager, graph capture, graph fallback)."""
         indptr, indices, last_page_len = self._page_table(forward_batch)
-        wrapper.plan(
+        self._plan(
+            wrapper,
             indptr,
             indices,
             last_page_len,
@@ -201,6 +223,12 @@ class FlashInferAttnBackend(AttentionBackend):
             **self._plan_kwargs(),
         )
         forward_batch.attn_metadata = FlashInferMetadata(PlanKind.DECODE, wrapper)
+
+    def _plan(self, wrapper: Any, *args: Any, **kwargs: Any) -> None:
+        """`wrapper.plan`, once the upload of its previous plan has left its pinned buffer."""
+        self.guard.before_plan(wrapper)
+        wrapper.plan(*args, **kwargs)
+        self.guard.after_plan(wrapper)
 
     def _plan_kwargs(self) -> dict[str, Any]:
         return {
@@ -214,7 +242,7 @@ class FlashInferAttnBackend(AttentionBackend):
         self, forward_batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(host indptr, device indices, host last_page_len) of the batch's seq_lens."""
-        req_pool = self._check_pool(forward_batch)
+        req_pool = self.check_pool(forward_batch)
         indptr, last_page_len, total = host_page_table(forward_batch.seq_lens_cpu, self.page_size)
         _, indices, _ = build_kv_indices(
             req_pool.req_to_token,
@@ -225,7 +253,7 @@ class FlashInferAttnBackend(AttentionBackend):
         )
         return indptr, indices, last_page_len
 
-    def _check_pool(self, forward_batch: ForwardBatch) -> Any:
+    def check_pool(self, forward_batch: ForwardBatch) -> Any:
         req_pool = forward_batch.req_to_token_pool
         kv_pool = forward_batch.token_to_kv_pool
         assert req_pool is not None and kv_pool is not None, "the batch needs its pools"
@@ -238,33 +266,36 @@ class FlashInferAttnBackend(AttentionBackend):
     # ---- CUDA graphs ------------------------------------------------------------------
 
     def init_cuda_graph_state(self, max_bs: int, max_pages_per_req: int) -> None:
-        device = self.workspace.device
-        self._graph_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
-        self._graph_last_page_len = torch.ones(max_bs, dtype=torch.int32, device=device)
-        self._graph_indices = torch.zeros(
-            max_bs * max_pages_per_req, dtype=torch.int32, device=device
-        )
-        self._graph_wrappers = {}
+        self.graphs = GraphDecodePlans(self, max_bs, max_pages_per_req)
 
-    def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
-        assert self._graph_indptr is not None, "call init_cuda_graph_state first"
-        assert self._graph_last_page_len is not None
-        bs = forward_batch.batch_size
-        wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+    def new_graph_wrapper(self, page_table: PageTable) -> Any:
+        """A CUDA-graph decode wrapper of batch size len(last_page_len) over the graph's
+        persistent (indptr, indices, last_page_len) views."""
+        indptr, indices, last_page_len = page_table
+        return self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace,
             KV_LAYOUT,
             use_cuda_graph=True,
             use_tensor_cores=self.decode_tensor_cores,
-            paged_kv_indptr_buffer=self._graph_indptr[: bs + 1],
-            paged_kv_indices_buffer=self._graph_indices,
-            paged_kv_last_page_len_buffer=self._graph_last_page_len[:bs],
+            paged_kv_indptr_buffer=indptr,
+            paged_kv_indices_buffer=indices,
+            paged_kv_last_page_len_buffer=last_page_len,
             backend=FLASHINFER_KERNELS,
         )
-        self._graph_wrappers[bs] = wrapper
-        self._plan_decode(wrapper, forward_batch)
+
+    def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
+        assert self.graphs is not None, "call init_cuda_graph_state first"
+        self.graphs.capture(forward_batch)
+        wrapper = self.graphs.wrappers[forward_batch.batch_size]
+        forward_batch.attn_metadata = FlashInferMetadata(PlanKind.DECODE, wrapper)
 
     def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
-        self._plan_decode(self._graph_wrappers[forward_batch.batch_size], forward_batch)
+        """Re-plan the captured graph of `forward_batch.batch_size`: a padded DECODE batch
+        whose seq_lens / req_pool_indices are the graph's device inputs (already filled)
+        and whose seq_lens_cpu is on the host. Nothing here waits for the device."""
+        assert self.graphs is not None, "call init_cuda_graph_state first"
+        wrapper = self.graphs.replay(forward_batch)
+        forward_batch.attn_metadata = FlashInferMetadata(PlanKind.DECODE, wrapper)
 
     # ---- run --------------------------------------------------------------------------
 

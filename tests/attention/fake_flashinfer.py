@@ -10,6 +10,14 @@ computed per request in float64, then cast to the query dtype.
 Each wrapper also keeps what it was built with (`init_kwargs`, the keywords besides the
 workspace and layout, and `workspace_was_zero`), and its constructor takes exactly the
 keywords FlashInfer 0.7.2's does, so a misspelt one fails here as it would there.
+
+The decode wrapper also doubles the 0.7.2 internals the backend's fast graph replay reads
+(`flashinfer_replay.WRAPPER_INTERNALS`), under the same names, and plans as 0.7.2 does:
+copies into the graph buffers, then its module's `plan` (`fake_flashinfer_plan`) with the
+same positional arguments, which writes a work partition into the pinned buffer and
+"uploads" it into the int workspace. Its `run` checks that partition against the page
+table it reads, so a replay whose plan saw other lengths than the buffers hold fails, as
+the real kernels would go wrong.
 """
 
 from __future__ import annotations
@@ -19,6 +27,16 @@ import types
 from typing import Any
 
 import torch
+
+from tests.attention.fake_flashinfer_plan import (
+    INT_WORKSPACE_BYTES,
+    FakeDecodePlanModule,
+    FakePrefillPlanModule,
+    check_partition,
+)
+
+# What the backend's fast replay checks before it reads the internals doubled here.
+FAKE_VERSION = "0.7.2.post1"
 
 
 def _check_int32(**tensors: torch.Tensor) -> None:
@@ -66,14 +84,17 @@ class _PagedTable:
             self.indptr, self.indices, self.last = indptr.clone(), indices.clone(), last.clone()
 
     def kv(self, b: int, cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        k_cache, v_cache = cache
-        assert k_cache.dim() == 4 and k_cache.shape[1] == self.page_size, "NHD paged cache"
-        lo, hi = int(self.indptr[b]), int(self.indptr[b + 1])
-        pages = self.indices[lo:hi].long()
-        length = (hi - lo - 1) * self.page_size + int(self.last[b])
-        k = k_cache[pages].flatten(0, 1)[:length]
-        v = v_cache[pages].flatten(0, 1)[:length]
-        return k, v
+        return request_kv(self.indptr, self.indices, self.last, self.page_size, b, cache)
+
+
+def request_kv(indptr, indices, last, page_size: int, b: int, cache) -> tuple[torch.Tensor, ...]:
+    """Request b's K and V, [len, Hkv, D] each, read through a CSR page table."""
+    k_cache, v_cache = cache
+    assert k_cache.dim() == 4 and k_cache.shape[1] == page_size, "NHD paged cache"
+    lo, hi = int(indptr[b]), int(indptr[b + 1])
+    pages = indices[lo:hi].long()
+    length = (hi - lo - 1) * page_size + int(last[b])
+    return k_cache[pages].flatten(0, 1)[:length], v_cache[pages].flatten(0, 1)[:length]
 
 
 # The `backend=` values FlashInfer 0.7.2's attention wrappers accept that matter here.
@@ -125,23 +146,91 @@ class BatchDecodeWithPagedKVCacheWrapper(_Base):
             use_tensor_cores=use_tensor_cores,
             backend=backend,
         )
-        self.use_tensor_cores = use_tensor_cores
-        self.table = _PagedTable(
-            use_cuda_graph,
-            paged_kv_indptr_buffer,
-            paged_kv_indices_buffer,
-            paged_kv_last_page_len_buffer,
+        # 0.7.2's internals, same names (its buffers are 8 MiB; small ones do here).
+        self._float_workspace_buffer = workspace
+        self._int_workspace_buffer = torch.zeros(
+            INT_WORKSPACE_BYTES, dtype=torch.uint8, device=workspace.device
         )
+        self._pin_memory_int_workspace_buffer = torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8)
+        self._use_cuda_graph = use_cuda_graph
+        self._use_tensor_cores = use_tensor_cores
+        self._backend = backend
+        self._jit_module = None
+        self._plan_info = None
+        if use_cuda_graph:
+            assert paged_kv_indptr_buffer is not None and paged_kv_indices_buffer is not None
+            assert paged_kv_last_page_len_buffer is not None
+            self._fixed_batch_size = len(paged_kv_last_page_len_buffer)
+            assert len(paged_kv_indptr_buffer) == self._fixed_batch_size + 1
+        else:
+            self._fixed_batch_size = 0
+        self._paged_kv_indptr_buf = paged_kv_indptr_buffer
+        self._paged_kv_indices_buf = paged_kv_indices_buffer
+        self._paged_kv_last_page_len_buf = paged_kv_last_page_len_buffer
+        self.page_size = 0
+        self.full_plans = 0  # calls of plan(), for tests
+
+    @property
+    def use_tensor_cores(self) -> bool:
+        return self._use_tensor_cores
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._use_cuda_graph
 
     def plan(self, indptr, indices, last_page_len, h, hkv, d, page_size, **kw) -> None:
-        self.table.set(indptr, indices, last_page_len, page_size)
+        self.full_plans += 1
+        _check_int32(indptr=indptr, indices=indices, last_page_len=last_page_len)
+        host_last = last_page_len.cpu()
+        assert bool(((host_last >= 1) & (host_last <= page_size)).all()), host_last
+        assert int(indptr.cpu()[-1]) == len(indices)
+        bs = len(last_page_len)
+        device = self._float_workspace_buffer.device
+        if self._use_cuda_graph:
+            assert bs == self._fixed_batch_size, "batch size is fixed in cuda graph mode"
+            assert len(indices) <= len(self._paged_kv_indices_buf)
+            self._paged_kv_indptr_buf.copy_(indptr)
+            self._paged_kv_last_page_len_buf.copy_(last_page_len)
+            self._paged_kv_indices_buf[: len(indices)].copy_(indices)
+        else:
+            self._paged_kv_indptr_buf = indptr.to(device).clone()
+            self._paged_kv_indices_buf = indices.to(device).clone()
+            self._paged_kv_last_page_len_buf = last_page_len.to(device).clone()
+        indptr_host = indptr.to("cpu")
+        workspaces = (
+            self._float_workspace_buffer,
+            self._int_workspace_buffer,
+            self._pin_memory_int_workspace_buffer,
+        )
+        graph = self._use_cuda_graph
+        if self._use_tensor_cores:
+            kv_lens = (indptr_host[1:] - indptr_host[:-1] - 1).clamp(min=0) * page_size
+            kv_lens = (kv_lens + host_last).to(torch.int32)
+            self._max_kv_len = int(kv_lens.max())
+            self._cached_module = FakePrefillPlanModule()
+            qo_indptr = torch.arange(bs + 1, dtype=torch.int32)
+            self._plan_info = self._cached_module.plan(
+                *workspaces, qo_indptr, indptr_host, kv_lens, bs, bs, h, hkv, page_size, graph,
+                d, d, False, -1, -1, False, 0, 0,
+            )  # fmt: skip
+        else:
+            self._cached_module = FakeDecodePlanModule()
+            empty = torch.empty(0, dtype=kw["q_data_type"])
+            self._plan_info = self._cached_module.plan(
+                *workspaces, indptr_host, bs, h, hkv, page_size, graph, -1, 0.0, d, d,
+                empty, empty,
+            )  # fmt: skip
+        self.page_size = page_size
         self._plan(h, hkv, d, kw)
 
     def run(self, q: torch.Tensor, paged_kv_cache) -> torch.Tensor:
         self._check_q(q)
+        table = (self._paged_kv_indptr_buf, self._paged_kv_indices_buf)
+        table += (self._paged_kv_last_page_len_buf,)
+        check_partition(self._int_workspace_buffer, table[0], q.shape[0])
         out = torch.empty_like(q)
         for b in range(q.shape[0]):
-            k, v = self.table.kv(b, paged_kv_cache)
+            k, v = request_kv(*table, self.page_size, b, paged_kv_cache)
             out[b] = _attend(q[b : b + 1], k, v, False, self.planned["scale"])[0].to(q.dtype)
         return out
 
@@ -220,9 +309,10 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Base):
         return out
 
 
-def make_fake_flashinfer() -> types.ModuleType:
+def make_fake_flashinfer(version: str = FAKE_VERSION) -> types.ModuleType:
     module = types.ModuleType("flashinfer")
     module.__spec__ = importlib.machinery.ModuleSpec("flashinfer", None)
+    module.__version__ = version
     module.BatchDecodeWithPagedKVCacheWrapper = BatchDecodeWithPagedKVCacheWrapper
     module.BatchPrefillWithPagedKVCacheWrapper = BatchPrefillWithPagedKVCacheWrapper
     module.BatchPrefillWithRaggedKVCacheWrapper = BatchPrefillWithRaggedKVCacheWrapper

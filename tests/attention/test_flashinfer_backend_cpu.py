@@ -88,8 +88,9 @@ def test_extend_then_decode_against_reference(
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_cuda_graph_capture_then_replay_with_new_batches(fake_flashinfer, page_size: int) -> None:
-    """Capture plans a padded batch into the shared buffers; replay re-plans the same
-    wrapper with another batch of that size, and the run step reads the new table."""
+    """Capture plans a batch into the shared buffers; replay re-plans the same wrapper
+    with another batch of that size (the fast plan: no wrapper.plan), and the run step
+    reads the new table and work partition."""
     h = harness(8, 2, page_size)
     backend = h.builder.backend
     backend.init_cuda_graph_state(max_bs=4, max_pages_per_req=512 // page_size)
@@ -101,12 +102,14 @@ def test_cuda_graph_capture_then_replay_with_new_batches(fake_flashinfer, page_s
     backend.init_forward_metadata = backend.init_forward_metadata_capture_cuda_graph
     assert h.step(decode) < TOL
     wrapper = plans[0].wrapper
-    assert wrapper.table.use_cuda_graph and wrapper.table.fixed_bs == 4
-    assert wrapper.table.indptr.data_ptr() == backend._graph_indptr.data_ptr()
+    assert wrapper.is_cuda_graph_enabled and wrapper._fixed_batch_size == 4
+    assert wrapper._paged_kv_indptr_buf.data_ptr() == backend.graphs.indptr.data_ptr()
+    assert backend.graphs.paths == {4: "fast"}
     backend.init_forward_metadata = backend.init_forward_metadata_replay_cuda_graph
     for _ in range(3):
         assert h.step(decode) < TOL
     assert all(p.wrapper is wrapper for p in plans)
+    assert wrapper.full_plans == 1 and wrapper._cached_module.calls == 1 + 1 + 3
 
 
 def test_every_wrapper_pins_fa2_on_a_zeroed_workspace(
@@ -131,12 +134,12 @@ def test_every_wrapper_pins_fa2_on_a_zeroed_workspace(
     backend.init_forward_metadata = backend.init_forward_metadata_capture_cuda_graph
     h.step([(0, 1), (1, 1)])
     wrappers = [backend.ragged_prefill, backend.paged_prefill, backend.decode]
-    wrappers += list(backend._graph_wrappers.values())
+    wrappers += list(backend.graphs.wrappers.values())
     assert len(wrappers) == 4
     for w in wrappers:
         assert w.init_kwargs["backend"] == "fa2", (type(w).__name__, w.init_kwargs)
         assert w.workspace_was_zero, type(w).__name__
-    assert backend._graph_wrappers[2].init_kwargs["use_cuda_graph"]
+    assert backend.graphs.wrappers[2].init_kwargs["use_cuda_graph"]
 
 
 def test_ragged_path_saves_kv_for_later_decodes(fake_flashinfer) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -90,3 +91,30 @@ def test_host_indptr() -> None:
 )
 def test_decode_tensor_cores_for_large_gqa_groups(heads: int, kv_heads: int, expected: bool):
     assert decode_use_tensor_cores(heads, kv_heads) is expected
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_csr_written_in_place_into_caller_buffers(page_size: int) -> None:
+    """out=: the graph's persistent buffers are filled, nothing else is returned; a longer
+    indices buffer keeps its tail; seq_lens_cpu may be a list or an int64 array."""
+    rng = random.Random(page_size)
+    table = random_paged_table(rng, 8, 256, page_size, 4096)
+    rows, seq_lens = [3, 0, 7, 0], [1, page_size + 1, 200, 1]  # two padding-like rows
+    ref_indptr, ref_indices, ref_last = reference_csr(table, rows, seq_lens, page_size)
+    indptr_buf = torch.zeros(9, dtype=torch.int32)
+    indices_buf = torch.full((1000,), -7, dtype=torch.int32)
+    last_buf = torch.ones(8, dtype=torch.int32)
+    out = (indptr_buf[:5], indices_buf, last_buf[:4])
+    total = host_page_table(np.array(seq_lens, dtype=np.int64), page_size)[2]
+    got = build_kv_indices(
+        table, torch.tensor(rows), torch.tensor(seq_lens), page_size, total, out=out
+    )
+    assert [t.data_ptr() for t in got] == [t.data_ptr() for t in out]
+    assert indptr_buf[:5].tolist() == ref_indptr and last_buf[:4].tolist() == ref_last
+    assert indices_buf[:total].tolist() == ref_indices
+    assert bool((indices_buf[total:] == -7).all()) and bool((last_buf[4:] == 1).all())
+
+
+def test_host_tables_of_an_empty_batch() -> None:
+    indptr, last, total = host_page_table([], 16)
+    assert indptr.tolist() == [0] and last.tolist() == [] and total == 0
