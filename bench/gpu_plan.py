@@ -43,7 +43,9 @@ CALLS: list[dict] = [
         "Qwen3-0.6B-shaped benchmark",
         "shows": "the device, nvcc, ninja and the measured copy bandwidth; FlashInfer == "
         "torch_native on ragged batches with cached prefixes, page sizes 1 and 16 "
-        "(test_flashinfer_attention); graph replay == eager (test_cuda_graph_gpu); the README "
+        "(test_flashinfer_attention); graph replay == eager (test_cuda_graph_gpu), and the lean "
+        "replay plan against torch_native with the host a step ahead "
+        "(test_flashinfer_graph_replay); the README "
         "rows of a 0.6B model with head_dim 128 and GQA 2 (--load-format dummy): decode tok/s "
         "and HBM roofline fraction at batch 1, 64, 256, graphs on and off; W1 x 256 prompts "
         "(input and output U[100, 1024]), overlap on and off, then the integrity check; host and "
@@ -57,8 +59,8 @@ CALLS: list[dict] = [
             f'$PY -c "{PROBE}"; }} 2>&1 | tee $OUT/device.txt; '
             "timeout 240 $PY -m bench.gpu_session warm 2>&1 | tee $OUT/warm.log; "
             f"timeout 150 {PYTEST} tests/gpu/test_flashinfer_attention.py "
-            "tests/gpu/test_cuda_graph_gpu.py 2>&1 | tee $OUT/attention.log; "
-            + bench_command("qwen3-0.6b", 300, " --profile")
+            "tests/gpu/test_cuda_graph_gpu.py tests/gpu/test_flashinfer_graph_replay.py "
+            "2>&1 | tee $OUT/attention.log; " + bench_command("qwen3-0.6b", 300, " --profile")
         ),
     },
     {
@@ -67,7 +69,9 @@ CALLS: list[dict] = [
         "(graphs on/off, page 16, overlap on/off, partial graph coverage); memory "
         "integrity after a W1-style run (page 1 and 16); auto picks flashinfer + graphs; "
         "the profiled KV pool; torch_native on CUDA == HF (test_gpu_engine, "
-        "test_cuda_torch_native); the README rows of SmolLM2-135M (bf16), as in call 1",
+        "test_cuda_torch_native); 200 overlapped decode steps with sync debug mode 'error', "
+        "lifted only where ids are read (test_sync_free_decode); the README rows of "
+        "SmolLM2-135M (bf16), as in call 1",
         "carry": [".gpu/model.part.ab", ".gpu/model.sha256"],
         "command": (
             f"{GUARD} {ENV} mkdir -p {GGUF_DIR} && cat $HOME/gpu/model.part.aa "
@@ -75,8 +79,8 @@ CALLS: list[dict] = [
             "sha256sum -c -) < .gpu/model.sha256 || exit 4; $PY -c "
             '"from srt.model_loader.loader import resolve_model_path as r; print(r(None))" '
             f"|| exit 5; timeout 330 {PYTEST} tests/gpu/test_gpu_engine.py "
-            "tests/engine/test_cuda_torch_native.py 2>&1 | tee $OUT/engine.log; "
-            + bench_command("default", 240)
+            "tests/gpu/test_sync_free_decode.py tests/engine/test_cuda_torch_native.py "
+            "2>&1 | tee $OUT/engine.log; " + bench_command("default", 240)
         ),
     },
     {
