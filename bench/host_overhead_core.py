@@ -197,7 +197,7 @@ def measure(cfg: Config) -> dict[str, Any]:
 def stand_in_for_a_gpu() -> None:
     """Make every module that asks `device_memory` get `StandInMemory` for the CPU."""
     try:
-        from srt.model_executor import device_memory
+        from srt.utils import device_memory
     except ImportError as e:
         raise Unsupported("no GPU path to run on a CPU in this tree") from e
     import managers.overlap_worker

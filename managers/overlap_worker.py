@@ -39,8 +39,8 @@ from typing import Any
 import torch
 
 from managers.schedule_batch import GenerationBatchResult, ModelWorkerBatch
-from srt.model_executor.device_memory import device_memory
 from srt.model_executor.step_inputs import FutureSlots
+from srt.utils.device_memory import device_memory
 
 # Placeholders name a ring of slots; a batch's slots are reused only many batches later.
 FUTURE_MAP_BATCHES = 8

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from managers.schedule_batch import GenerationBatchResult
-from srt.model_executor.device_memory import DeviceMemory, Event, wait
+from srt.utils.device_memory import DeviceMemory, Event, wait
 
 if TYPE_CHECKING:
     from srt.sampling.sampler import SampleOutput

@@ -23,7 +23,7 @@ import mmap
 
 import torch
 
-from srt.model_executor.device_memory import device_memory
+from srt.utils.device_memory import device_memory
 
 logger = logging.getLogger(__name__)
 

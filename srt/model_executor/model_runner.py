@@ -41,7 +41,6 @@ from srt.layers.cpu_packed import prepack_cpu_weights
 from srt.layers.fused_kernels import enable_cpu_ops
 from srt.model_executor.cpu_decode_layer_runner import enable_fused_decode
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner
-from srt.model_executor.device_memory import device_memory
 from srt.model_executor.forward_batch import ForwardBatch
 from srt.model_executor.memory_sizing import (
     CPU_DEFAULT_MEM_FRACTION,
@@ -64,6 +63,7 @@ from srt.model_executor.step_inputs import GraphInputs, StepStager
 from srt.model_loader.loader import get_model
 from srt.sampling.registry import make_sampler
 from srt.server_args import ServerArgs
+from srt.utils.device_memory import device_memory
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from srt.model_executor.device_memory import DeviceMemory, Event, wait
+from srt.utils.device_memory import DeviceMemory, Event, wait
 
 # The fields a decode CUDA graph reads, in their order in `graph_buffer` (each P long).
 GRAPH_FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens")

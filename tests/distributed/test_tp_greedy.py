@@ -238,7 +238,7 @@ def _followers_sample_otherwise(tp: TPGroup, driver: InProcessDriver) -> None:
 
     sampler.forward = shifted
     # Argmax-only batches skip the sampler: shift the worker's argmax too.
-    import managers.model_worker as model_worker
+    from managers import model_worker
 
     argmax = model_worker.greedy_ids
     model_worker.greedy_ids = lambda logits: (argmax(logits) + 1) % VOCAB

@@ -1,6 +1,6 @@
 """`SeparateMemoryDouble`: a test double of a GPU's memory, so the GPU path runs on a CPU.
 
-`device_memory` (srt/model_executor/device_memory.py) tells the runtime whether the device has
+`device_memory` (srt/utils/device_memory.py) tells the runtime whether the device has
 memory of its own. With this double installed it says yes for the CPU: the request table gets
 a host mirror, batches go up through the staging copy, sampled ids come back through the
 result channel, and the overlap loop runs without its forward thread, exactly as on a GPU.

@@ -25,10 +25,10 @@ from srt.model_executor.cuda_graph_runner import (
     padded_seq_lens,
     select_bucket,
 )
-from srt.model_executor.device_memory import SharedMemory
 from srt.model_executor.forward_batch import ForwardMode
 from srt.model_executor.step_inputs import GRAPH_PADDING, GraphInputs
 from srt.server_args import ServerArgs
+from srt.utils.device_memory import SharedMemory
 from tests.attention.fake_flashinfer import make_fake_flashinfer
 from tests.srt.forward_helpers import ForwardBatchBuilder
 from tests.srt.test_models import CONFIGS, build_pair
