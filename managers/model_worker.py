@@ -145,9 +145,7 @@ class ModelWorker:
         graph_bs = runner.graph_batch_size(bs) if decode else None
         logged = runner.req_to_token_pool.take_logged()
         pack = _pack(mwb, graph_bs, logged, runner.req_to_token_pool.mirrored)
-        if graph_bs is not None and pack.size - 5 * graph_bs > runner.stager.graph_capacity(
-            graph_bs
-        ):
+        if graph_bs is not None and not runner.stager.fits_graph(pack):
             graph_bs = None  # too much else to stage this step: run it eagerly
             pack = _pack(mwb, None, logged, runner.req_to_token_pool.mirrored)
         staged = runner.stager.send(pack, graph_bs)

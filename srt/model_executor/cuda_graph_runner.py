@@ -3,24 +3,25 @@
 Lifecycle (owned by `ModelRunner`, built only on CUDA, with a backend that supports graphs,
 and without `--disable-cuda-graph`):
 
-1. `__init__` allocates persistent input buffers for `max_bs` requests and the backend's
-   persistent index buffers, then captures one graph per batch size of
+1. `__init__` takes the graphs' static inputs (`step_inputs.GraphInputs`: for padded size P,
+   ids, positions, slots, rows and lengths at offsets 0, P, .. 4P of one device buffer) and
+   the backend's persistent index buffers, then captures one graph per batch size of
    `capture_batch_sizes(max_bs)` (1, 2, 4, 8, then every 8), largest first, all in one
    memory pool. Each capture plans a dummy decode batch through the backend's capture hook,
    runs the decoder eagerly twice (warm-up, lazy inits, kernel JIT) on the capture stream,
    synchronizes, then captures it on that stream (`GraphCapture.warm_up` / `capture`).
-2. `replay(forward_batch)` (a DECODE batch of bs <= max_bs) picks the smallest captured
-   size >= bs (`select_bucket`), copies the batch into the buffers and pads the rest
-   (`DecodeGraphInputs.fill`: padding rows write KV slot 0, the dummy, and read one token
-   of request row 0), re-plans attention through the backend's replay hook, replays, and
-   computes logits eagerly from the first bs rows of the graph's hidden states.
+2. `replay(forward_batch)` (a DECODE batch of bs <= max_bs): the model worker stages such a
+   batch straight into the inputs of the smallest captured size >= bs, padding included
+   (`forward_batch.graph_bs`; padding rows write KV slot 0, the dummy, and read one token of
+   request row 0); any other batch is copied in first (`GraphInputs.fill`). Replay re-plans
+   attention through the backend's replay hook, replays, and computes logits eagerly from
+   the first bs rows of the graph's hidden states.
 
 The graphs cover the decoder only (embedding .. final norm); the LM head and logits run
 eagerly on the real rows, so no graph keeps a [bs, vocab] output alive. Replay launches on
-the caller's current stream, which is what the overlap loop needs: its forward thread has
-a stream of its own, and the copies, the plan's uploads and the replay are all ordered on
-it. The returned logits are fresh tensors; the hidden states they come from are
-overwritten by the next replay.
+the caller's current stream, the one the staging copy and the request-table writes were
+queued on, so stream order puts them first. The returned logits are fresh tensors; the
+hidden states they come from are overwritten by the next replay.
 """
 
 from __future__ import annotations

@@ -137,16 +137,14 @@ class StepStager:
         else:
             self.host[index], self.host_np[index] = buf, buf.numpy()
 
-    def graph_capacity(self, padded_bs: int) -> int:
-        """Room after a graph batch's fields in the graph buffer (0 without graphs)."""
-        if self.graph_inputs is None:
-            return 0
-        return len(self.graph_inputs.buffer) - len(GRAPH_FIELDS) * padded_bs
+    def fits_graph(self, pack: Pack) -> bool:
+        """Whether a pack laid out for a graph (its fields first) fits the graph buffer."""
+        return self.graph_inputs is not None and pack.size <= len(self.graph_inputs.buffer)
 
     def send(self, pack: Pack, graph_bs: int | None = None) -> dict[str, torch.Tensor]:
         """Write `pack` and make it visible on the device; return its fields as device views.
         `graph_bs`: the pack starts with `GRAPH_FIELDS` padded to that size and goes into the
-        graph buffer (the caller checked it fits: `graph_capacity`)."""
+        graph buffer (the caller checked it fits: `fits_graph`)."""
         if graph_bs is not None:
             assert self.graph_inputs is not None
             target = self.graph_inputs.buffer
