@@ -10,7 +10,9 @@
    model (the default SmolLM2-135M; a Qwen3-0.6B-shaped config with dummy weights) with
    CUDA graphs on and off:
    - decode at batch 1, 64 and 256: one static batch (`bench_one_batch.run_one_batch`) of
-     `--decode-input-len` token prompts, `--decode-steps` greedy steps; the median step.
+     `--decode-input-len` token prompts, `--decode-steps` greedy steps; the median step. With
+     `--decode-overlap` also the same batches in steady decode through the overlap loop
+     (`gpu_decode_loop.py`), where the host's part of a step hides behind the device's.
      HBM roofline fraction = (weight bytes + KV bytes read in the step) / step time / peak
      bandwidth (H100 SXM 3.35 TB/s, H200 4.8 TB/s, from the device name).
    - W1 scaled up: 256 prompts of random ids, input and output lengths uniform in
@@ -39,6 +41,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from bench.gpu_decode_loop import bench_decode_overlap
 
 REPO = Path(__file__).resolve().parents[1]
 DECODE_BATCHES = (1, 64, 256)
@@ -176,13 +180,22 @@ def stop_forward_worker(obj: Any) -> None:
 
 
 def bench_decode(
-    worker: Any, batch: int, input_len: int, steps: int, bandwidth: float | None
+    worker: Any,
+    batch: int,
+    input_len: int,
+    steps: int,
+    bandwidth: float | None,
+    overlap: tuple[Any, list[Any]] | None = None,
 ) -> dict[str, Any]:
+    """One decode step of `batch` requests: alone (`bench_one_batch`, the median step), or
+    with `overlap` = (server args, held) in steady decode through the overlap loop."""
     from bench.bench_one_batch import run_one_batch
     from srt.model_executor.memory_sizing import kv_bytes_per_token
 
-    result = run_one_batch(worker, batch, input_len, steps + 1)
-    step_s = result["median_decode_latency"]
+    if overlap is None:
+        step_s = run_one_batch(worker, batch, input_len, steps + 1)["median_decode_latency"]
+    else:
+        step_s = bench_decode_overlap(worker, overlap[0], batch, input_len, steps, overlap[1])
     cfg = worker.model_config
     step_bytes = decode_step_bytes(
         weight_bytes_read(worker.model_runner.model),
@@ -191,7 +204,7 @@ def bench_decode(
         kv_bytes_per_token(cfg, cfg.dtype),
     )
     return {
-        "workload": f"decode bs={batch}",
+        "workload": f"decode bs={batch}" + ("" if overlap is None else ", overlap loop"),
         "tok_per_s": batch / step_s,
         "step_ms": step_s * 1e3,
         "gb_per_step": step_bytes / 1e9,
@@ -274,12 +287,26 @@ def bench_config(
         decode = bench_decode(worker, batch, args.decode_input_len, args.steps, args.peak_bandwidth)
         rows.append(base | decode)
         print(json.dumps(rows[-1]), flush=True)
+    if args.decode_overlap:
+        for batch in DECODE_BATCHES:
+            decode = bench_decode(
+                worker,
+                batch,
+                args.decode_input_len,
+                args.steps,
+                args.peak_bandwidth,
+                (sargs, held),
+            )
+            rows.append(base | decode)
+            print(json.dumps(rows[-1]), flush=True)
     if args.profile:
         for batch in (1, max(DECODE_BATCHES)):
             run_one_batch(worker, batch, args.decode_input_len, 17, profile=True)
     # W1 with the overlap loop; with graphs on, the same W1 again on the normal loop (same
     # worker, same prompts), for the overlap on / off ratio.
     loops = (True, False) if graphs else (True,)
+    if args.w1_prompts == 0:
+        return rows
     for w1 in bench_w1_loops(worker, sargs, args.w1_prompts, 100, 1024, loops, held):
         rows.append(base | w1)
         print(json.dumps(rows[-1]), flush=True)
@@ -299,7 +326,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--decode-input-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=64, help="decode steps per decode benchmark")
-    p.add_argument("--w1-prompts", type=int, default=256)
+    p.add_argument("--w1-prompts", type=int, default=256, help="0: no W1 run")
+    p.add_argument(
+        "--decode-overlap",
+        action="store_true",
+        help="also time decode steps in steady state through the overlap loop",
+    )
     p.add_argument("--peak-tbs", type=float, default=None, help="HBM TB/s (default: by name)")
     p.add_argument("--out", default=None, help="also write the markdown table here")
     args = p.parse_args(argv)
