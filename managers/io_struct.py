@@ -37,6 +37,8 @@ class GenerateReqInput:
     # priority (needs --enable-priority-scheduling unless 0).
     timeout: float | None = None
     priority: int | None = None
+    # Prefix-cache namespace (SGLang's extra_key / cache_salt): only equal keys share KV.
+    extra_key: str | None = None
 
 
 @dataclass

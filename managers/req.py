@@ -19,6 +19,7 @@ request stands in the loop.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -258,7 +259,7 @@ class Req:
         """Set `finished_reason` if a stop condition holds after the last appended token.
 
         `tail_text(req, n)` decodes the last n output tokens; it is only called when the
-        request has stop strings.
+        request has stop strings or stop_regex patterns.
         """
         if self.finished_reason is not None:
             return
@@ -283,6 +284,14 @@ class Req:
                 for stop in params.stop:
                     if stop in tail:
                         self.finished_reason = finish_matched(stop)
+                        return
+            if params.stop_regex and tail_text is not None:
+                # SGLang's stop_regex: a match anywhere in the decoded tail; the finish
+                # reason names the pattern (`re` caches the compiled patterns).
+                tail = tail_text(self, params.stop_regex_tail)
+                for pattern in params.stop_regex:
+                    if re.search(pattern, tail):
+                        self.finished_reason = finish_matched(pattern)
                         return
         if self.seq_len() >= context_len:
             self.finished_reason = finish_length(n_out)

@@ -214,6 +214,7 @@ class TokenizerManager:
             bootstrap=obj.bootstrap,
             timeout=obj.timeout,
             priority=obj.priority or 0,
+            extra_key=obj.extra_key,
         )
         samples = msgs if params.n == 1 else msgs[1:]
         ready: asyncio.Queue[ReqState] = asyncio.Queue()

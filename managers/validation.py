@@ -142,6 +142,13 @@ def prepare_prompt(
             raise RequestError("`input_ids` must be a list of integers.", param="input_ids")
     check_prompt(input_ids, context_len, vocab_size)
     params = parse_sampling_params(obj.sampling_params, vocab_size)
+    if tokenizer is None and params.stop_regex:
+        # Matched against decoded text: without a tokenizer it could never apply.
+        raise RequestError(
+            "`stop_regex` needs the server's tokenizer (this one runs with "
+            "--skip-tokenizer-init).",
+            param="stop_regex",
+        )
     if grammar_limits is not None:
         check_grammar(params, grammar_limits)
     check_batch_size(1, params.n, max_batch_size, "n")

@@ -15,72 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
 from managers.errors import RequestError
 from managers.io_struct import GenerateReqInput
 from managers.validation import check_batch_size
-from srt.entrypoints.openai.fields import (
-    FieldTable,
-    accepts,
-    honoured,
-    no_op,
-    refused,
-    screen,
-)
-from srt.sampling.sampling_params import SamplingParams
-
-_TEXT_ONLY = "not supported: this server serves a text-only model"
-
-
-# The top-level fields of a `/generate` body, by SGLang's names. sglang-router's PD mode
-# re-serializes each body from its own request struct, so it adds `model: null`,
-# `log_metrics: true` and `false` for the switches below: those values are accepted.
-GENERATE_FIELDS: FieldTable = {
-    "text": honoured("a prompt or a batch of prompts", "sglang"),
-    "input_ids": honoured("token ids, or a batch of them", "sglang"),
-    "sampling_params": honoured("SamplingParams fields, one dict or one per prompt", "sglang"),
-    "rid": honoured("request id(s), for /abort_request", "sglang"),
-    "stream": honoured("server-sent events", "sglang"),
-    "return_logprob": honoured("logprobs in meta_info", "sglang"),
-    "logprob_start_len": honoured("first prompt position with logprobs", "sglang"),
-    "top_logprobs_num": honoured("top logprobs per position", "sglang"),
-    "return_text_in_logprobs": honoured("token texts in the logprobs", "sglang"),
-    "bootstrap_host": honoured("prefill/decode disaggregation", "sglang"),
-    "bootstrap_port": honoured("prefill/decode disaggregation", "sglang"),
-    "bootstrap_room": honoured("prefill/decode disaggregation", "sglang"),
-    "timeout": honoured("seconds the request may take in all", "sglang"),
-    "priority": honoured("scheduling priority (--enable-priority-scheduling)", "sglang"),
-    "model": no_op(str | None, "a router's model name; this server serves one model", "sglang"),
-    "log_metrics": no_op(
-        bool, "SGLang's per-request metrics switch; no effect on output", "sglang"
-    ),
-    "no_logs": no_op(bool, "SGLang's request-logging switch; no effect on the output", "sglang"),
-    "lora_path": refused("not supported: this server serves no LoRA adapters", origin="sglang"),
-    "image_data": refused(_TEXT_ONLY, origin="sglang"),
-    "audio_data": refused(_TEXT_ONLY, origin="sglang"),
-    "video_data": refused(_TEXT_ONLY, origin="sglang"),
-    "input_embeds": refused("not supported: send text or input_ids", origin="sglang"),
-    "data_parallel_rank": refused("not supported: no data parallelism", origin="sglang"),
-    "custom_logit_processor": refused("not supported: no custom logit processors", origin="sglang"),
-    **{
-        name: refused(f"not supported: {what}", accepts(False), origin="sglang")
-        for name, what in (
-            ("return_hidden_states", "hidden states are not returned"),
-            ("return_bytes", "token bytes are not returned"),
-            ("return_entropy", "entropies are not returned"),
-            ("background", "no background requests"),
-        )
-    },
-}
-
-# Keys a `sampling_params` dict may have: the dataclass's fields (so a field added there is
-# accepted here at once), less the one `normalize()` computes.
-SAMPLING_PARAM_KEYS = frozenset(
-    f.name for f in dataclasses.fields(SamplingParams) if f.name != "stop_str_max_len"
-)
+from srt.entrypoints.native_fields import GENERATE_FIELDS, SAMPLING_FIELDS
+from srt.entrypoints.openai.fields import screen
 
 
 def parse_generate(body: Any, max_batch_size: int) -> tuple[list[GenerateReqInput], bool]:
@@ -108,11 +50,10 @@ def parse_generate(body: Any, max_batch_size: int) -> tuple[list[GenerateReqInpu
     prompt_field = prompts[0][0]
     # Counted once before building the prompts' objects (n >= 1), once after with each n.
     check_batch_size(len(prompts), len(prompts), max_batch_size, prompt_field)
-    params = _per_prompt(body.get("sampling_params"), len(prompts), "sampling_params", dict)
-    for prompt_params in params:
-        for key in prompt_params or {}:
-            if key not in SAMPLING_PARAM_KEYS:
-                raise RequestError(f"Unrecognized sampling parameter `{key}`", param=key)
+    params = [
+        _sampling_params(p)
+        for p in _per_prompt(body.get("sampling_params"), len(prompts), "sampling_params", dict)
+    ]
     rids = _per_prompt(body.get("rid"), len(prompts), "rid", str)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -131,6 +72,7 @@ def parse_generate(body: Any, max_batch_size: int) -> tuple[list[GenerateReqInpu
             raise RequestError(f"`{name}` must be {kind.__name__}.", param=name)
         options[name] = value
     boot = bootstrap_info(body, len(prompts))
+    keys = cache_keys(body, len(prompts))
     objs = [
         GenerateReqInput(
             **{field: prompt},
@@ -140,6 +82,7 @@ def parse_generate(body: Any, max_batch_size: int) -> tuple[list[GenerateReqInpu
             bootstrap=boot[i],
             timeout=body.get("timeout"),
             priority=body.get("priority"),
+            extra_key=keys[i],
             **options,
         )
         for i, (field, prompt) in enumerate(prompts)
@@ -147,6 +90,37 @@ def parse_generate(body: Any, max_batch_size: int) -> tuple[list[GenerateReqInpu
     sequences = sum(num_samples(obj) for obj in objs)
     check_batch_size(len(objs), sequences, max_batch_size, prompt_field)
     return objs, is_batch
+
+
+def _sampling_params(params: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A `sampling_params` dict screened by `SAMPLING_FIELDS`, SGLang's `sampling_seed`
+    renamed to our `seed`."""
+    if params is None:
+        return None
+    params = screen(SAMPLING_FIELDS, {}, params, nested=False)
+    if "sampling_seed" in params:
+        seed = params.pop("sampling_seed")
+        if params.get("seed") is not None and seed is not None and params["seed"] != seed:
+            raise RequestError("`seed` and `sampling_seed` differ.", param="sampling_seed")
+        if seed is not None:
+            params["seed"] = seed
+    return params
+
+
+def cache_keys(body: dict[str, Any], n: int) -> list[str | None]:
+    """Per prompt, the prefix-cache namespace of SGLang's `extra_key` and `cache_salt` (one
+    value for every prompt, or one per prompt): requests share cached KV only when equal."""
+    columns = []
+    for name in ("extra_key", "cache_salt"):
+        value = body.get(name)
+        values = value if isinstance(value, list) else [value] * n
+        if len(values) != n or not all(v is None or isinstance(v, str) for v in values):
+            raise RequestError(f"`{name}` must be a string or one per prompt.", param=name)
+        columns.append(values)
+    return [
+        None if key is None and salt is None else f"{key or ''}\0{salt or ''}"
+        for key, salt in zip(*columns, strict=True)
+    ]
 
 
 def bootstrap_info(body: dict[str, Any], n: int) -> list[tuple[str, int, int] | None]:

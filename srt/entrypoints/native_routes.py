@@ -16,7 +16,7 @@ from managers.errors import RequestError
 from srt.entrypoints.app_state import ServerArgsDep, TokenizerManagerDep
 from srt.entrypoints.http_errors import json_response, read_json_body, sse_error_event
 from srt.entrypoints.native_protocol import generate_all, parse_generate, stream_all
-from srt.entrypoints.sse import SSE_DONE, sse_event, start_sse
+from srt.entrypoints.sse import NATIVE_KEEPALIVE, SSE_DONE, sse_event, start_sse
 
 router = APIRouter()
 
@@ -51,8 +51,10 @@ async def generate(
     objs, is_batch = parse_generate(body, server_args.max_batch_size)
     if not objs[0].stream:
         return json_response(await generate_all(tm, objs, is_batch, request))
-    # Errors before the first output are plain 4xx / 503, unless it is queued for long.
-    return await start_sse(sse_stream(stream_all(tm, objs, is_batch, request)))
+    # Errors before the first output are plain 4xx / 503, unless it is queued for long; a
+    # long-queued stream gets blank lines, which SGLang's clients skip (sse.py).
+    events = sse_stream(stream_all(tm, objs, is_batch, request))
+    return await start_sse(events, NATIVE_KEEPALIVE)
 
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])

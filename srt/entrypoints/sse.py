@@ -6,6 +6,11 @@ a full queue) is a plain JSON error response, as long as it comes within
 with an SSE comment (`: keep-alive`) at once and every `KEEPALIVE_INTERVAL_S` until its
 first event, so proxies with header or idle timeouts keep the connection; an error from then
 on is an error event followed by `[DONE]`.
+
+SGLang's native route sends a bare blank line instead (`NATIVE_KEEPALIVE`): SGLang's own
+clients (`bench_serving`, the frontend's `RuntimeEndpoint`) parse every non-blank line of a
+`/generate` stream as JSON, so a comment line would break them, while a blank line is skipped
+by them and is a no-op in SSE (it dispatches an event only when data was buffered).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 SSE_DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": keep-alive\n\n"
+NATIVE_KEEPALIVE = b"\n"
 # How long a stream may wait for its first event before the response starts without it.
 FIRST_EVENT_WAIT_S = 1.0
 KEEPALIVE_INTERVAL_S = 5.0
@@ -59,9 +65,10 @@ class SSEResponse(StreamingResponse):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def start_sse(events: AsyncGenerator[bytes, None]) -> Response:
+async def start_sse(events: AsyncGenerator[bytes, None], keepalive: bytes = KEEPALIVE) -> Response:
     """The response for `events` (see the module docstring). `events` raises `RequestError`
-    for a refusal before its first event and turns later ones into error events itself."""
+    for a refusal before its first event and turns later ones into error events itself.
+    `keepalive`: what is sent while the first event is awaited."""
     first = asyncio.ensure_future(anext(events))
     try:
         await asyncio.wait({first}, timeout=FIRST_EVENT_WAIT_S)
@@ -69,7 +76,7 @@ async def start_sse(events: AsyncGenerator[bytes, None]) -> Response:
         await _close(first, events)
         raise
     if not first.done():
-        return SSEResponse(KEEPALIVE, _after_keepalives(first, events))
+        return SSEResponse(keepalive, _after_keepalives(first, events, keepalive))
     try:
         head = first.result()
     except RequestError as err:
@@ -80,13 +87,13 @@ async def start_sse(events: AsyncGenerator[bytes, None]) -> Response:
 
 
 async def _after_keepalives(
-    first: asyncio.Future[bytes], events: AsyncGenerator[bytes, None]
+    first: asyncio.Future[bytes], events: AsyncGenerator[bytes, None], keepalive: bytes
 ) -> AsyncGenerator[bytes, None]:
     try:
         while not first.done():
             await asyncio.wait({first}, timeout=KEEPALIVE_INTERVAL_S)
             if not first.done():
-                yield KEEPALIVE
+                yield keepalive
         try:
             yield first.result()
         except StopAsyncIteration:

@@ -24,6 +24,13 @@ MAX_TEMPERATURE = 2.0
 MAX_PENALTY = 2.0  # |frequency_penalty|, |presence_penalty|; repetition_penalty in (0, 2]
 MAX_N = 64
 MAX_STOP_SEQUENCES = 16
+# stop_regex (SGLang's): at most this many patterns of at most this many characters each. A
+# pattern is searched in the decoded tail of the output after every token: the tail is the
+# pattern's longest match in characters plus one token, at most STOP_REGEX_MAX_TAIL tokens
+# (a pattern with an unbounded repeat is searched in that many).
+MAX_STOP_REGEX = 16
+MAX_STOP_REGEX_LEN = 256
+STOP_REGEX_MAX_TAIL = 512
 # logit_bias: each value is in [-MAX_LOGIT_BIAS_VALUE, MAX_LOGIT_BIAS_VALUE] (OpenAI's range),
 # and exactly -MAX_LOGIT_BIAS_VALUE bans the token (OpenAI: "should result in a ban").
 MAX_LOGIT_BIAS_VALUE = 100.0
@@ -46,6 +53,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    # Regular expressions searched in the output's decoded tail; the first match stops it.
+    stop_regex: str | list[str] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -63,11 +72,13 @@ class SamplingParams:
     # Computed by normalize(): longest stop string, in characters (tokenizer-free bound on
     # how much text the detokenizer must hold back before it can stream).
     stop_str_max_len: int = field(default=0, repr=False)
+    # Computed by normalize(): how many output tokens' text a stop_regex is searched in.
+    stop_regex_tail: int = field(default=0, repr=False)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
         """Build from a request body, ignoring keys that are not sampling fields."""
-        names = {f.name for f in dataclasses.fields(cls) if f.name != "stop_str_max_len"}
+        names = {f.name for f in dataclasses.fields(cls) if f.name not in COMPUTED_FIELDS}
         return cls(**{k: v for k, v in d.items() if k in names})
 
     def to_dict(self) -> dict[str, Any]:
@@ -88,6 +99,11 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_str_max_len = max((len(s) for s in self.stop), default=0)
+        if isinstance(self.stop_regex, str):
+            self.stop_regex = [self.stop_regex]
+        elif self.stop_regex is not None:
+            self.stop_regex = list(self.stop_regex)
+        self.stop_regex_tail = stop_regex_tail(self.stop_regex)
         if self.stop_token_ids is not None:
             self.stop_token_ids = list(self.stop_token_ids)
         if self.logit_bias is not None:
@@ -107,7 +123,7 @@ class SamplingParams:
                 _bad(name, f"must be {_type_names(kinds)}, got {value!r}")
             if not isinstance(value, kinds):
                 _bad(name, f"must be {_type_names(kinds)}, got {type(value).__name__}")
-        for name, item in (("stop", str), ("stop_token_ids", int)):
+        for name, item in (("stop", str), ("stop_token_ids", int), ("stop_regex", str)):
             value = getattr(self, name)
             if isinstance(value, list) and not all(
                 isinstance(v, item) and not isinstance(v, bool) for v in value
@@ -122,6 +138,7 @@ class SamplingParams:
         """Raise `InvalidSamplingParam` (a ValueError) naming the first invalid field."""
         self.check_types()
         check_stop(self.stop)
+        check_stop_regex(self.stop_regex)
         if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
             _bad("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -173,6 +190,39 @@ def check_stop(stop: object) -> None:
         _bad("stop", f"must be at most {MAX_STOP_SEQUENCES} strings, got {len(stops)}")
     if any(s == "" for s in stops):
         _bad("stop", "must not contain an empty string (it would match at once)")
+
+
+def check_stop_regex(patterns: object) -> None:
+    """stop_regex: at most `MAX_STOP_REGEX` patterns, each a valid, non-empty regular
+    expression of at most `MAX_STOP_REGEX_LEN` characters."""
+    items = [patterns] if isinstance(patterns, str) else patterns
+    if not isinstance(items, (list, tuple)):
+        return  # None, or a wrong type `check_types` reports
+    if len(items) > MAX_STOP_REGEX:
+        _bad("stop_regex", f"must be at most {MAX_STOP_REGEX} patterns, got {len(items)}")
+    for pattern in items:
+        if not pattern:
+            _bad("stop_regex", "must not contain an empty pattern (it would match at once)")
+        if len(pattern) > MAX_STOP_REGEX_LEN:
+            _bad("stop_regex", f"patterns must be at most {MAX_STOP_REGEX_LEN} characters")
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            _bad("stop_regex", f"{pattern!r} is not a valid regular expression: {e}")
+
+
+def stop_regex_tail(patterns: list[str] | None) -> int:
+    """Output tokens whose text a stop_regex search covers: the longest match any pattern
+    can have, in characters (a token is at least one), plus one token for a match that
+    begins inside the token before; `STOP_REGEX_MAX_TAIL` for unbounded patterns."""
+    longest = 0
+    for pattern in patterns or ():
+        try:
+            width = re._parser.parse(pattern).getwidth()[1]  # type: ignore[attr-defined]
+        except (re.error, OverflowError, RecursionError):
+            width = STOP_REGEX_MAX_TAIL  # `verify` refuses what does not compile
+        longest = max(longest, width)
+    return min(longest + 1, STOP_REGEX_MAX_TAIL) if patterns else 0
 
 
 def check_logit_bias(bias: object, vocab_size: int | None = None) -> None:
@@ -241,6 +291,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "repetition_penalty": _NUMBER,
     "stop": (str, list),
     "stop_token_ids": (list,),
+    "stop_regex": (str, list),
     "ignore_eos": (bool,),
     "skip_special_tokens": (bool,),
     "spaces_between_special_tokens": (bool,),
@@ -255,6 +306,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
 _OPTIONAL = {
     "max_new_tokens",
     "stop",
+    "stop_regex",
     "stop_token_ids",
     "seed",
     "json_schema",
@@ -262,6 +314,8 @@ _OPTIONAL = {
     "ebnf",
     "logit_bias",
 }
+# Fields `normalize()` computes; never read from a request.
+COMPUTED_FIELDS = frozenset({"stop_str_max_len", "stop_regex_tail"})
 # A decimal token id; the digit cap keeps int() clear of Python's 4300-digit limit (a longer
 # key is refused as not a token id rather than raising an unexpected error).
 _DECIMAL = re.compile(r"[+-]?[0-9]{1,32}")

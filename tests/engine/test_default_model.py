@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,6 +38,23 @@ def test_stop_string_is_trimmed(driver: InProcessDriver) -> None:
         [prompt], {"max_new_tokens": 24, "temperature": 0, "stop": [" 8"], "no_stop_trim": True}
     )[0]
     assert kept["text"].endswith(" 8")
+
+
+def test_stop_regex_stops_at_the_first_match_and_keeps_it(driver: InProcessDriver) -> None:
+    """SGLang's stop_regex: a match in the decoded tail stops the request; the finish reason
+    names the pattern and the text keeps the match (a pattern is not a literal to trim)."""
+    prompt = "Count: 1, 2, 3, 4, 5,"
+    greedy = {"max_new_tokens": 24, "temperature": 0}
+    free = driver.generate([prompt], greedy)[0]["text"]
+    pattern = r"\b[78]\b"  # the first of 7 or 8, as a whole number
+    out = driver.generate([prompt], {**greedy, "stop_regex": [r"\d{3}", pattern]})[0]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
+    match = re.search(pattern, free)
+    assert match is not None and out["text"].startswith(free[: match.end()])
+    assert len(out["text"]) < len(free) and re.search(pattern, out["text"])
+    unmatched = driver.generate([prompt], {**greedy, "stop_regex": "zz+"})[0]
+    assert unmatched["text"] == free
+    driver.scheduler.check_memory()
 
 
 def test_chat_template_prompt_stops_at_eos(driver: InProcessDriver) -> None:

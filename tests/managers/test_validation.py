@@ -114,3 +114,15 @@ def test_empty_stop_message_names_the_reason() -> None:
     with pytest.raises(RequestError, match="empty") as err:
         parse_sampling_params({"stop": ""}, VOCAB)
     assert err.value.param == "stop" and err.value.status_code == 400
+
+
+def test_stop_regex_without_a_tokenizer_is_refused() -> None:
+    from managers.io_struct import GenerateReqInput
+    from managers.validation import prepare_prompt
+
+    obj = GenerateReqInput(input_ids=[1, 2, 3], sampling_params={"stop_regex": "a+"})
+    with pytest.raises(RequestError, match="tokenizer") as err:
+        prepare_prompt(obj, None, 4096, VOCAB, 8)
+    assert err.value.param == "stop_regex"
+    plain = GenerateReqInput(input_ids=[1, 2, 3], sampling_params={"stop_regex": []})
+    assert prepare_prompt(plain, None, 4096, VOCAB, 8)[1].stop_regex == []

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -187,15 +188,29 @@ def test_priority_and_timeout_are_checked(url: str) -> None:
     assert r.status_code == 200, r.text  # the default priority changes nothing
 
 
-def read_sse(resp: requests.Response) -> tuple[list[bytes], list[dict]]:
-    """(comment lines, data payloads) of a whole stream."""
+def read_sse(resp: requests.Response) -> tuple[bytes, list[bytes], list[dict]]:
+    """(the raw stream, its comment lines, its data payloads)."""
+    raw = b"".join(resp.iter_content(None))
     comments, data = [], []
-    for line in resp.iter_lines():
+    for line in raw.split(b"\n"):
         if line.startswith(b":"):
             comments.append(line)
         elif line.startswith(b"data: ") and line != b"data: [DONE]":
             data.append(orjson.loads(line[len(b"data: ") :]))
-    return comments, data
+    return raw, comments, data
+
+
+def sglang_client_lines(raw: bytes) -> list[Any]:
+    """A native stream read as SGLang's `bench_serving` reads it: every non-blank line,
+    stripped of `data: `, is `[DONE]` or JSON (it raises on anything else)."""
+    out = []
+    for line in raw.split(b"\n"):
+        line = line.strip()
+        if not line:
+            continue
+        line = line[6:] if line.startswith(b"data: ") else line
+        out.append(line if line == b"[DONE]" else orjson.loads(line))
+    return out
 
 
 STREAMS = {
@@ -221,9 +236,14 @@ def test_queued_stream_gets_headers_then_keepalives(url: str, path: str) -> None
             assert r.status_code == 200
             assert r.headers["content-type"].startswith("text/event-stream")
             assert state(url)["num_queue_reqs"] == 1  # still queued: no token yet
-            comments, data = read_sse(r)
+            raw, comments, data = read_sse(r)
         print(f"\n{path}: headers after {headers_s:.2f} s while queued")
-        assert comments and comments[0] == b": keep-alive"
+        if path == "/generate":
+            # Blank lines, which SGLang's clients skip, instead of comments they cannot parse.
+            assert raw.startswith(b"\n") and not comments
+            assert sglang_client_lines(raw)[-1] == b"[DONE]"
+        else:
+            assert comments and comments[0] == b": keep-alive"
         # Its timeout passed while queued: an error event, not an HTTP status any more.
         [event] = data
         assert event["error"]["code"] == 503 and "timed out" in event["error"]["message"]
