@@ -6,8 +6,10 @@ from __future__ import annotations
 import importlib.util
 import sys
 import types
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -110,3 +112,13 @@ def sglang_kv_events() -> types.ModuleType:
     if importlib.util.find_spec("sglang") is None:
         pytest.skip("sglang is not installed")
     return _load_sglang_kv_events()
+
+
+def sglang_decoder() -> Callable[[bytes], Any] | None:
+    """SGLang's KVEventBatch decoder, or None without sglang or msgspec (for tests that check
+    more than SGLang's decoding and should run without it)."""
+    if importlib.util.find_spec("sglang") is None or importlib.util.find_spec("msgspec") is None:
+        return None
+    import msgspec
+
+    return msgspec.msgpack.Decoder(_load_sglang_kv_events().KVEventBatch).decode
