@@ -145,9 +145,9 @@ def test_events_are_tagged_maps_in_an_array_batch() -> None:
 
 @pytest.mark.parametrize("dynamo", [False, True])
 def test_sglang_decodes_our_batches(dynamo: bool) -> None:
+    sgl = sglang_kv_events()  # skips without sglang or msgspec
     import msgspec
 
-    sgl = sglang_kv_events()
     records = recorded(dynamo)
     payload = encode_records(records, 7.5)
     batch = msgspec.msgpack.Decoder(sgl.KVEventBatch).decode(payload)
@@ -168,9 +168,9 @@ def test_sglang_decodes_our_batches(dynamo: bool) -> None:
 
 
 def test_vllm_decodes_our_batches() -> None:
+    batch_type = vllm_mirror()  # skips without msgspec
     import msgspec
 
-    batch_type = vllm_mirror()
     payload = encode_records(recorded(), 2.0)
     batch = msgspec.msgpack.Decoder(batch_type).decode(payload)
     assert [type(e).__name__ for e in batch.events] == [
