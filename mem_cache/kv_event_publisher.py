@@ -3,15 +3,17 @@
     scheduler thread                         publisher thread ("kv-events")
     KVEventStream.publish_step()             encode ─▶ PUB   [topic, seq, payload]
       recorder.take() ─▶ queue (bounded) ──▶         ─▶ replay buffer (last buffer_steps)
-                                             ROUTER: [id, "", start_seq] ─▶ [id, "", seq, payload]
-                                                     for each buffered seq >= start, then
-                                                     [id, "", -1 (8 bytes, signed), ""]
+                                             ROUTER: [id, "", start_seq] ─▶
+                                                     [id, "", topic, seq, payload] for each
+                                                     buffered seq >= start, then
+                                                     [id, "", "", -1 (8 bytes, signed), ""]
 
 One batch per scheduler step that changed the tree. The scheduler never waits on ZMQ: it only
 appends to a bounded queue, and a batch that finds the queue full is dropped with a warning.
 Sequence numbers are given when a batch is queued, so a dropped batch leaves a gap a consumer
 can see (as does a PUB send past the high-water mark); replay fills gaps still in its buffer.
-Sequence numbers are 8-byte big-endian and start at 0 (vLLM's and SGLang's publishers).
+Sequence numbers are 8-byte big-endian and start at 0, and a replayed batch carries the same
+[topic, seq, payload] as a live one (vLLM's and SGLang's publishers).
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _POLL_S = 0.02  # how often the thread looks at the replay socket while no batch arrives
 
 
-def _binds(endpoint: str) -> bool:
+def _binds(endpoint: str, bind: bool | None = None) -> bool:
+    if bind is not None:
+        return bind
     return any(s in endpoint for s in ("*", "::", "0.0.0.0")) or endpoint.startswith(
         ("ipc://", "inproc://")
     )
@@ -61,13 +65,15 @@ class ZmqEventPublisher:
         self._pub.setsockopt(zmq.LINGER, 0)
         self._replay: zmq.Socket | None = None
         try:
-            if _binds(config.endpoint):
+            if _binds(config.endpoint, config.bind):
                 self._pub.bind(config.endpoint)
             else:
                 self._pub.connect(config.endpoint)
             if config.replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                # A full replay and its end marker must fit, or ROUTER drops the rest silently.
+                self._replay.setsockopt(zmq.SNDHWM, 2 * (config.buffer_steps + 1))
                 self._replay.bind(config.replay_endpoint)
         except zmq.ZMQError as e:
             self._close_sockets()
@@ -133,8 +139,9 @@ class ZmqEventPublisher:
         start_seq = int.from_bytes(start, "big")
         for seq, payload in self._buffer:
             if seq >= start_seq:
-                self._replay.send_multipart((client, empty, seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, empty, END_SEQ, b""))
+                frames = (client, empty, self._topic, seq.to_bytes(8, "big"), payload)
+                self._replay.send_multipart(frames)
+        self._replay.send_multipart((client, empty, b"", END_SEQ, b""))
 
     def _close_sockets(self) -> None:
         self._pub.close(linger=0)
@@ -156,14 +163,15 @@ class KVEventStream:
         config = KVEventsConfig.from_json(config_json) if config_json else None
         if config is None or not config.enabled:
             return cls(None, None)
-        recorder = KVEventRecorder()
+        recorder = KVEventRecorder(namespaced=config.format == "dynamo")
         publisher = ZmqEventPublisher(config)
         tree.record_events(recorder)
         logger.info(
-            "KV events: publishing on %s (replay %s, topic %r)",
+            "KV events: publishing on %s (replay %s, topic %r, format %s)",
             config.endpoint,
             config.replay_endpoint or "off",
             config.topic,
+            config.format,
         )
         return cls(recorder, publisher)
 

@@ -8,40 +8,50 @@ what each server actually has cached.
       reset:  all cleared                                       thread (kv_event_publisher.py)
 
 The tree records only when a recorder is attached (`BasePrefixCache.record_events`); the
-records are compact (a node's page digests and key) and become one event per page when the
-publisher thread encodes them.
+records are compact (a node's page digests and key) and become events when the publisher
+thread encodes them.
 
 Page hashes (SGLang's scheme, so equal token prefixes give equal hashes on both): each full
 page's digest is SHA-256 over the previous page's 32-byte digest (none for a page at the root)
 and the page's token ids as 4-byte little-endian unsigned ints; a page's published hash is the
 first 8 bytes of its digest read as a big-endian signed 64-bit int. `parent_block_hash` is the
-published hash of the page before the first page of an event (None at the root). Requests with
-an `extra_key` (a cache namespace) seed their chain with a digest of it, so equal tokens in
-different namespaces never share a hash. Only full pages are cached, hence announced.
+published hash of the page before the event's first page (None at the root). As in SGLang's
+"default" format, a request's `extra_key` does not change the hashes; with `"format":
+"dynamo"` each published hash h becomes the first 8 bytes (signed) of SHA-256(seed, h as 8
+big-endian bytes), the seed a digest of the extra_key (`namespace_seed`), SGLang's
+`namespaced_block_hash`. Only full pages are cached, hence announced.
 
-Wire format: msgspec `array_like=True` tagged structs (a struct is an array of its fields in
-order, a tagged one starts with its class name), written here with plain msgpack; the same
-bytes SGLang's `srt/disaggregation/kv_events.py` sends, and what vLLM's
-`vllm/distributed/kv_events.py` and Dynamo's ZMQ listener read:
-    KVEventBatch      [ts: float, events: list, data_parallel_rank: int]
-    BlockStored       ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
-                       lora_id, medium]
-    BlockRemoved      ["BlockRemoved", block_hashes, medium]
-    AllBlocksCleared  ["AllBlocksCleared"]
-Decoders of the older, shorter structs ignore the trailing fields (msgspec's array_like rule).
+Wire format (msgpack): a batch is an array, each event a map tagged by its class name under
+"type" — msgspec's `array_like` batch of `tag=True` structs, what vLLM's
+`vllm/distributed/kv_events.py` and SGLang's `srt/disaggregation/kv_events.py` decode:
+    KVEventBatch      [ts, [event, ...], data_parallel_rank (0)]
+    BlockStored       {"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids",
+                       "block_size", "lora_id": None, "medium": "GPU", "lora_name": None}
+    BlockRemoved      {"type": "BlockRemoved", "block_hashes", "medium": "GPU"}
+    AllBlocksCleared  {"type": "AllBlocksCleared"}
+`lora_name` is required by vLLM's struct, optional in SGLang's; the optional fields neither
+requires (SGLang's cache_salt, session_id; vLLM's extra_keys, group_idx, ...) are left out, as
+their encoders leave out a field at its default. As SGLang does, consecutive stores that chain
+(a node's pages, a node and its child) are one BlockStored with several block_hashes and
+their token_ids concatenated (`block_size` stays the page size), and consecutive removals are
+one BlockRemoved.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from mem_cache.kv_events_config import KVEventsConfig  # noqa: F401 (server_args's import path)
+
 MEDIUM_GPU = "GPU"  # the primary KV pool (the name consumers map to the device tier)
 DIGEST_BYTES = 32
+TAG = "type"  # msgspec's tag field for `tag=True` structs
+# SGLang's namespace seed tag: the same extra_key gives the same seed, hence the same hashes.
+_NAMESPACE_TAG = b"sglang-kv-event-namespace-v1"
 
 
 # ---- page hashes -------------------------------------------------------------------------
@@ -60,16 +70,30 @@ def page_digests(tokens: list[int], page_size: int, prior: bytes | None) -> byte
     return bytes(out)
 
 
-def namespace_digest(extra_key: str | None) -> bytes | None:
-    """The digest a chain at the root starts from: none in the default namespace."""
-    if extra_key is None:
-        return None
-    return hashlib.sha256(b"radixrt-extra-key\x00" + extra_key.encode()).digest()
-
-
 def public_hashes(digests: bytes) -> list[int]:
     """The published 64-bit hash of each 32-byte digest (its first 8 bytes, signed)."""
     return [h for (h,) in struct.iter_unpack(">q24x", digests)]
+
+
+def namespace_seed(extra_key: str | None) -> bytes | None:
+    """The "dynamo" format's seed for a namespace: SHA-256 of SGLang's tag, then per part
+    (extra_key, then cache_salt, which we do not have) a presence byte and, when present, its
+    UTF-8 length (8 bytes, little-endian) and bytes. None in the default namespace."""
+    if extra_key is None:
+        return None
+    encoded = extra_key.encode()
+    part = b"\x01" + len(encoded).to_bytes(8, "little") + encoded
+    return hashlib.sha256(_NAMESPACE_TAG + part + b"\x00").digest()
+
+
+def namespaced(hashes: list[int], seed: bytes | None) -> list[int]:
+    if seed is None:
+        return hashes
+    out = []
+    for h in hashes:
+        digest = hashlib.sha256(seed + h.to_bytes(8, "big", signed=True)).digest()
+        out.append(int.from_bytes(digest[:8], "big", signed=True))
+    return out
 
 
 # ---- events, as consumers decode them ----------------------------------------------------
@@ -81,17 +105,12 @@ class BlockStored:
     block_size: int
     lora_id: int | None = None
     medium: str | None = MEDIUM_GPU
+    lora_name: str | None = None
 
-    def to_wire(self) -> list[Any]:
-        return [
-            "BlockStored",
-            self.block_hashes,
-            self.parent_block_hash,
-            self.token_ids,
-            self.block_size,
-            self.lora_id,
-            self.medium,
-        ]
+    def to_wire(self) -> dict[str, Any]:
+        return _stored(
+            list(self.block_hashes), self.parent_block_hash, list(self.token_ids), self.block_size
+        ) | {"lora_id": self.lora_id, "medium": self.medium, "lora_name": self.lora_name}
 
 
 @dataclass(slots=True)
@@ -99,20 +118,34 @@ class BlockRemoved:
     block_hashes: list[int]
     medium: str | None = MEDIUM_GPU
 
-    def to_wire(self) -> list[Any]:
-        return ["BlockRemoved", self.block_hashes, self.medium]
+    def to_wire(self) -> dict[str, Any]:
+        return {TAG: "BlockRemoved", "block_hashes": list(self.block_hashes), "medium": self.medium}
 
 
 @dataclass(slots=True)
 class AllBlocksCleared:
-    def to_wire(self) -> list[Any]:
-        return ["AllBlocksCleared"]
+    def to_wire(self) -> dict[str, Any]:
+        return {TAG: "AllBlocksCleared"}
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 _EVENT_TYPES: dict[str, type] = {
     t.__name__: t for t in (BlockStored, BlockRemoved, AllBlocksCleared)
 }
+
+
+def _stored(hashes: list[int], parent: int | None, tokens: list[int], size: int) -> dict[str, Any]:
+    # Key order: SGLang's and vLLM's field order (lora_name is last of the fields we send).
+    return {
+        TAG: "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": size,
+        "lora_id": None,
+        "medium": MEDIUM_GPU,
+        "lora_name": None,
+    }
 
 
 @dataclass(slots=True)
@@ -122,63 +155,100 @@ class KVEventBatch:
     data_parallel_rank: int | None = 0
 
     def encode(self) -> bytes:
-        import msgpack
-
-        wire = [self.ts, [e.to_wire() for e in self.events], self.data_parallel_rank]
-        return msgpack.packb(wire, use_bin_type=True)
+        return _pack(self.ts, _coalesce(e.to_wire() for e in self.events), self.data_parallel_rank)
 
     @staticmethod
     def decode(payload: bytes) -> KVEventBatch:
-        """Read a batch in either array shape (with or without the rank); extra trailing
-        fields of an event are ignored, as msgspec does."""
+        """Read a batch (with or without the rank); keys an event's class does not know are
+        ignored and a missing required one is an error, as msgspec does."""
         import msgpack
 
         ts, raw_events, *rest = msgpack.unpackb(payload, raw=False)
         return KVEventBatch(ts, [_from_wire(w) for w in raw_events], rest[0] if rest else None)
 
 
-def _from_wire(wire: list[Any]) -> KVEvent:
-    tag, *values = wire
-    cls = _EVENT_TYPES.get(tag)
+def _from_wire(wire: dict[str, Any]) -> KVEvent:
+    if not isinstance(wire, dict):
+        raise TypeError(f"a KV event is a tagged map, got {type(wire).__name__}")
+    cls = _EVENT_TYPES.get(wire.get(TAG))
     if cls is None:
-        raise ValueError(f"unknown KV event tag {tag!r}")
-    return cls(*values[: len(fields(cls))])
+        raise ValueError(f"unknown KV event tag {wire.get(TAG)!r}")
+    return cls(**{f.name: wire[f.name] for f in fields(cls) if f.name in wire})
+
+
+def _pack(ts: float, events: list[dict[str, Any]], data_parallel_rank: int | None) -> bytes:
+    import msgpack
+
+    return msgpack.packb([ts, events, data_parallel_rank], use_bin_type=True)
+
+
+def _coalesce(wires: Iterator[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Merge each event into the one before when it continues it (SGLang's batching): a store
+    whose parent is the previous store's last page, or a removal after a removal."""
+    out: list[dict[str, Any]] = []
+    for w in wires:
+        last = out[-1] if out else None
+        if last is not None and _continues(last, w):
+            last["block_hashes"] += w["block_hashes"]
+            if w[TAG] == "BlockStored":
+                last["token_ids"] += w["token_ids"]
+        else:
+            out.append(w)
+    return out
+
+
+def _continues(last: dict[str, Any], w: dict[str, Any]) -> bool:
+    if last[TAG] != w[TAG] or w[TAG] == "AllBlocksCleared" or last["medium"] != w["medium"]:
+        return False
+    if w[TAG] == "BlockRemoved":
+        return True
+    same = ("block_size", "lora_id", "lora_name")
+    return (
+        bool(last["block_hashes"])
+        and w["parent_block_hash"] == last["block_hashes"][-1]
+        and all(last[k] == w[k] for k in same)
+    )
 
 
 # ---- what the tree records ---------------------------------------------------------------
-# A record becomes its events' wire arrays directly (one per page, SGLang's shape), without
-# building the event objects: the publisher thread encodes many of them while holding the GIL.
+# A record becomes its event's wire map directly, without building the event objects: the
+# publisher thread encodes many of them while holding the GIL.
 @dataclass(slots=True)
 class PagesStored:
     """A new tree node: its pages' digests, the digest of the page before them (None at the
-    root) and its key (page-aligned; never changed in place by the tree)."""
+    root), its key (page-aligned; never changed in place by the tree) and the namespace seed
+    of its hashes ("dynamo" format; None otherwise)."""
 
     digests: bytes
     parent: bytes | None
     token_ids: list[int]
     page_size: int
+    seed: bytes | None = None
 
-    def wire(self) -> Iterator[list[Any]]:
-        parent = public_hashes(self.parent)[0] if self.parent is not None else None
-        p, tokens = self.page_size, self.token_ids
-        for i, h in enumerate(public_hashes(self.digests)):
-            yield ["BlockStored", [h], parent, tokens[i * p : i * p + p], p, None, MEDIUM_GPU]
-            parent = h
+    def wire(self) -> dict[str, Any]:
+        parent = None
+        if self.parent is not None:
+            parent = namespaced(public_hashes(self.parent), self.seed)[0]
+        hashes = namespaced(public_hashes(self.digests), self.seed)
+        return _stored(
+            hashes, parent, self.token_ids[: len(hashes) * self.page_size], self.page_size
+        )
 
 
 @dataclass(slots=True)
 class PagesRemoved:
     digests: bytes
+    seed: bytes | None = None
 
-    def wire(self) -> Iterator[list[Any]]:
-        for h in public_hashes(self.digests):
-            yield ["BlockRemoved", [h], MEDIUM_GPU]
+    def wire(self) -> dict[str, Any]:
+        hashes = namespaced(public_hashes(self.digests), self.seed)
+        return {TAG: "BlockRemoved", "block_hashes": hashes, "medium": MEDIUM_GPU}
 
 
 @dataclass(slots=True)
 class Cleared:
-    def wire(self) -> Iterator[list[Any]]:
-        yield ["AllBlocksCleared"]
+    def wire(self) -> dict[str, Any]:
+        return {TAG: "AllBlocksCleared"}
 
 
 Record = PagesStored | PagesRemoved | Cleared
@@ -186,30 +256,45 @@ Record = PagesStored | PagesRemoved | Cleared
 
 def encode_records(records: list[Record], ts: float, data_parallel_rank: int = 0) -> bytes:
     """One KVEventBatch payload: the same bytes as `KVEventBatch(ts, expand(records)).encode()`."""
-    import msgpack
-
-    wire = [w for record in records for w in record.wire()]
-    return msgpack.packb([ts, wire, data_parallel_rank], use_bin_type=True)
+    return _pack(ts, _coalesce(r.wire() for r in records), data_parallel_rank)
 
 
 def expand(records: list[Record]) -> list[KVEvent]:
     """Records -> the events a consumer decodes from them."""
-    return [_from_wire(w) for record in records for w in record.wire()]
+    return [_from_wire(w) for w in _coalesce(r.wire() for r in records)]
 
 
 @dataclass(slots=True)
 class KVEventRecorder:
-    """Where a prefix cache appends what it stores and drops; taken once per scheduler step."""
+    """Where a prefix cache appends what it stores and drops; taken once per scheduler step.
+    `namespaced`: the "dynamo" format (hashes seeded by the request's extra_key)."""
 
+    namespaced: bool = False
     records: list[Record] = field(default_factory=list)
+    _seeds: dict[str, bytes | None] = field(default_factory=dict)
+
+    def _seed(self, extra_key: str | None) -> bytes | None:
+        if not self.namespaced or extra_key is None:
+            return None
+        seed = self._seeds.get(extra_key)
+        if seed is None:
+            seed = self._seeds[extra_key] = namespace_seed(extra_key)
+        return seed
 
     def stored(
-        self, digests: bytes, parent: bytes | None, token_ids: list[int], page_size: int
+        self,
+        digests: bytes,
+        parent: bytes | None,
+        token_ids: list[int],
+        page_size: int,
+        extra_key: str | None = None,
     ) -> None:
-        self.records.append(PagesStored(digests, parent, token_ids, page_size))
+        self.records.append(
+            PagesStored(digests, parent, token_ids, page_size, self._seed(extra_key))
+        )
 
-    def removed(self, digests: bytes) -> None:
-        self.records.append(PagesRemoved(digests))
+    def removed(self, digests: bytes, extra_key: str | None = None) -> None:
+        self.records.append(PagesRemoved(digests, self._seed(extra_key)))
 
     def cleared(self) -> None:
         self.records.append(Cleared())
@@ -217,71 +302,3 @@ class KVEventRecorder:
     def take(self) -> list[Record]:
         records, self.records = self.records, []
         return records
-
-
-# ---- --kv-events-config ------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class KVEventsConfig:
-    """The JSON of `--kv-events-config` (vLLM's and SGLang's keys). Giving a config turns
-    publishing on unless it says `"publisher": "null"` or `"enable_kv_cache_events": false`.
-    An endpoint with `*`, `::`, `0.0.0.0`, `ipc://` or `inproc://` is bound, any other is
-    connected to (the consumer binds); the replay endpoint is always bound."""
-
-    publisher: str = "zmq"  # "zmq" | "null"
-    endpoint: str = "tcp://*:5557"  # PUB: [topic, seq (8 bytes, big-endian), payload]
-    replay_endpoint: str | None = None  # ROUTER: send a start seq, get every batch since
-    buffer_steps: int = 10_000  # batches kept for replay
-    hwm: int = 100_000  # PUB high-water mark (ZMQ drops for a subscriber past it)
-    max_queue_size: int = 100_000  # batches waiting for the publisher thread
-    topic: str = ""
-    enable_kv_cache_events: bool = True  # vLLM's switch, accepted for its configs
-
-    @property
-    def enabled(self) -> bool:
-        return self.publisher != "null" and self.enable_kv_cache_events
-
-    @classmethod
-    def from_json(cls, text: str) -> KVEventsConfig:
-        raw = _json_object(text)
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(raw) - set(known))
-        if unknown:
-            raise ValueError(
-                f"--kv-events-config: unknown key(s) {', '.join(map(repr, unknown))}; "
-                f"known keys: {', '.join(known)}"
-            )
-        for key, value in raw.items():
-            _check_value(key, value)
-        config = cls(**raw)
-        if config.publisher not in ("zmq", "null"):
-            raise ValueError(
-                f"--kv-events-config: publisher must be 'zmq' or 'null', got {config.publisher!r}"
-            )
-        return config
-
-
-_INT_KEYS = ("buffer_steps", "hwm", "max_queue_size")
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--kv-events-config is not valid JSON: {e}") from None
-    if isinstance(raw, dict):
-        return raw
-    raise ValueError(f"--kv-events-config must be a JSON object, got {text!r}")
-
-
-def _check_value(key: str, value: Any) -> None:
-    if key in _INT_KEYS:
-        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
-        expected = "a positive integer"
-    elif key == "enable_kv_cache_events":
-        ok, expected = isinstance(value, bool), "true or false"
-    elif key == "replay_endpoint":
-        ok, expected = value is None or isinstance(value, str), "a string or null"
-    else:
-        ok, expected = isinstance(value, str), "a string"
-    if not ok:
-        raise ValueError(f"--kv-events-config: {key} must be {expected}, got {value!r}")

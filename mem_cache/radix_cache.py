@@ -17,8 +17,10 @@ Access times come from a per-tree counter, not the wall clock, so tests are dete
 
 KV events (kv_events.py), only while a recorder is attached: a new node records its pages as
 stored, an evicted node its pages as removed, `reset` records all cleared. A node keeps its
-pages' chained digests (32 bytes a page); a split divides them between the two halves and
-records nothing, so every stored page is removed exactly once, by eviction or by a clear.
+pages' chained digests (32 bytes a page, the same in every extra_key namespace: the recorder
+seeds the published hashes per namespace when asked); a split divides them between the two
+halves and records nothing, so every stored page is removed exactly once, by eviction or by a
+clear.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 
 from mem_cache.base_prefix_cache import BasePrefixCache, MatchResult
 from mem_cache.evict_policy import get_eviction_strategy
-from mem_cache.kv_events import DIGEST_BYTES, namespace_digest, page_digests
+from mem_cache.kv_events import DIGEST_BYTES, page_digests
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +172,7 @@ class RadixCache(BasePrefixCache):
             self._evictable_size += len(key)
             if self.events is not None:
                 parent = self._digests(node)[-DIGEST_BYTES:] if node is not self.root else None
-                self.events.stored(self._digests(new), parent, new.key, self.page_size)
+                self.events.stored(self._digests(new), parent, new.key, self.page_size, extra_key)
         return present
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
@@ -257,7 +259,7 @@ class RadixCache(BasePrefixCache):
             freed += len(node.key)
             self._evictable_size -= len(node.key)
             if self.events is not None:
-                self.events.removed(self._digests(node))
+                self.events.removed(self._digests(node), node.extra_key)
             if parent is not self.root and parent.is_leaf() and parent.lock_ref == 0:
                 heapq.heappush(heap, (prio(parent), parent.id, parent))
         return torch.cat(released) if released else _EMPTY.clone()
@@ -276,8 +278,10 @@ class RadixCache(BasePrefixCache):
         for n in reversed(missing):
             parent = n.parent
             assert parent is not None
+            # A chain starts afresh at the root whatever the namespace, as SGLang's does; the
+            # recorder namespaces the published hashes when the format asks for it.
             if parent is self.root:
-                prior = namespace_digest(n.extra_key)
+                prior = None
             else:
                 assert parent.digests is not None
                 prior = parent.digests[-DIGEST_BYTES:]

@@ -1,13 +1,12 @@
 """KV-cache events: the radix tree's records (stored / removed / cleared, page granularity,
-chained hashes), the wire format and the config. The ZMQ publisher is
-`test_kv_event_publisher.py`."""
+chained hashes, namespaces) and the config. The wire format and SGLang's and vLLM's decoders
+are `test_kv_event_wire.py`; the ZMQ publisher is `test_kv_event_publisher.py`."""
 
 from __future__ import annotations
 
 import hashlib
 import random
 
-import msgpack
 import pytest
 import torch
 
@@ -17,19 +16,19 @@ from mem_cache.kv_events import (
     BlockRemoved,
     BlockStored,
     KVEvent,
-    KVEventBatch,
     KVEventRecorder,
     KVEventsConfig,
-    encode_records,
     expand,
+    namespace_seed,
+    namespaced,
 )
 from mem_cache.radix_cache import RadixCache
-from tests.mem_cache.kv_event_helpers import LiveSet, tree_hashes
+from tests.mem_cache.kv_event_helpers import LiveSet, per_page, tree_hashes
 
 
-def recording_tree(page_size: int) -> tuple[RadixCache, KVEventRecorder]:
+def recording_tree(page_size: int, dynamo: bool = False) -> tuple[RadixCache, KVEventRecorder]:
     tree = RadixCache(page_size)
-    recorder = KVEventRecorder()
+    recorder = KVEventRecorder(namespaced=dynamo)
     tree.record_events(recorder)
     return tree, recorder
 
@@ -47,9 +46,9 @@ def hashes_of(events: list[KVEvent]) -> list[int]:
 
 
 def sglang_hashes(tokens: list[int], page_size: int) -> list[int]:
-    """SGLang's page hashes, written from its description: sha256 over the previous page's hex
-    digest (as bytes) and the page's ids as 4-byte little-endian, then the first 16 hex digits
-    as a signed int64."""
+    """SGLang's page hashes, written from its hash_binding.cpp: sha256 over the previous
+    page's digest and the page's ids as 4-byte little-endian, then the first 16 hex digits of
+    the digest as a signed int64."""
     out, prior = [], None
     for start in range(0, len(tokens) - page_size + 1, page_size):
         h = hashlib.sha256()
@@ -65,18 +64,19 @@ def sglang_hashes(tokens: list[int], page_size: int) -> list[int]:
 
 # ---- the tree's records ---------------------------------------------------------------------
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_one_block_stored_per_full_page_with_sglang_hashes(page_size: int) -> None:
+def test_a_new_node_is_one_block_stored_of_its_full_pages_with_sglang_hashes(
+    page_size: int,
+) -> None:
     tree, rec = recording_tree(page_size)
     tokens = list(range(100, 150))  # 50 tokens: 50 pages of 1, or 3 full pages of 16
     insert(tree, tokens)
-    events = take(rec)
-    assert all(isinstance(e, BlockStored) for e in events)
-    assert len(events) == len(tokens) // page_size
-    assert [e.block_hashes[0] for e in events] == sglang_hashes(tokens, page_size)
-    for i, e in enumerate(events):
-        assert e.token_ids == tokens[i * page_size : (i + 1) * page_size]
-        assert e.block_size == page_size and e.medium == "GPU" and e.lora_id is None
-        assert e.parent_block_hash == (events[i - 1].block_hashes[0] if i else None)
+    [event] = take(rec)
+    assert isinstance(event, BlockStored)
+    assert event.block_hashes == sglang_hashes(tokens, page_size)
+    assert event.parent_block_hash is None
+    assert event.token_ids == tokens[: len(tokens) // page_size * page_size]
+    assert event.block_size == page_size and event.medium == "GPU"
+    assert event.lora_id is None and event.lora_name is None
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -84,18 +84,36 @@ def test_continuation_chains_to_the_prefix_and_splits_record_nothing(page_size: 
     tree, rec = recording_tree(page_size)
     prefix = list(range(1, 1 + 2 * page_size))
     insert(tree, prefix + [7] * page_size)
-    first = take(rec)
+    first = per_page(take(rec))
     # Matching the prefix splits the node there; a split stores and removes nothing.
     assert tree.match_prefix(prefix).prefix_len == len(prefix)
     assert rec.take() == []
     insert(tree, prefix + [9] * page_size)
     [cont] = take(rec)
     assert isinstance(cont, BlockStored)
-    assert cont.parent_block_hash == first[len(prefix) // page_size - 1].block_hashes[0]
+    assert cont.parent_block_hash == first[len(prefix) // page_size - 1][0]
     assert cont.block_hashes == sglang_hashes(prefix + [9] * page_size, page_size)[-1:]
     # Already present: nothing recorded.
     assert insert(tree, prefix + [9] * page_size) == len(prefix) + page_size
     assert rec.take() == []
+
+
+def test_stores_that_chain_in_one_step_are_one_event_others_are_not() -> None:
+    """SGLang's batching: a node and its child stored in one step are one BlockStored; a
+    sibling (parent not the last page before it) starts a new one; removals merge."""
+    tree, rec = recording_tree(2)
+    insert(tree, [1, 2, 3, 4])
+    insert(tree, [1, 2, 3, 4, 5, 6])  # the child of the first node: continues its chain
+    insert(tree, [1, 2, 7, 8])  # splits [1 2|3 4], then a sibling: a new event
+    events = take(rec)
+    assert [len(e.block_hashes) for e in events] == [3, 1]
+    (h12, _, _), (h34, _, _), (h56, p56, t56), (h78, p78, t78) = per_page(events)
+    assert (p56, t56, p78, t78) == (h34, [5, 6], h12, [7, 8])
+    tree.evict(10**6)
+    [removed] = take(rec)
+    assert isinstance(removed, BlockRemoved) and sorted(removed.block_hashes) == sorted(
+        [h12, h34, h56, h78]
+    )
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -110,9 +128,9 @@ def test_eviction_removes_exactly_what_was_stored_and_reset_clears(page_size: in
     assert len(live.live) == 3 + 4 * 2
 
     tree.evict(2 * page_size)  # one leaf
-    removed = take(rec)
-    assert len(removed) == 2 and all(isinstance(e, BlockRemoved) for e in removed)
-    live.apply(removed)
+    [removed] = take(rec)
+    assert isinstance(removed, BlockRemoved) and len(removed.block_hashes) == 2
+    live.apply([removed])
     assert live.live == tree_hashes(tree)
 
     tree.evict(10**6)
@@ -127,19 +145,28 @@ def test_eviction_removes_exactly_what_was_stored_and_reset_clears(page_size: in
     assert live.live == set()
 
 
-def test_namespaces_hash_apart_and_late_recorders_hash_the_same() -> None:
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_namespaces_and_late_recorders(dynamo: bool) -> None:
+    """SGLang's "default" format publishes the plain token chain whatever the extra_key;
+    "dynamo" seeds each published hash (and parent) with the namespace."""
     tokens = list(range(1, 17))
-    tree, rec = recording_tree(4)
+    tree, rec = recording_tree(4, dynamo)
     insert(tree, tokens)
     plain = hashes_of(take(rec))
     insert(tree, tokens, extra_key="tenant-a")
-    salted = hashes_of(take(rec))
-    assert len(plain) == len(salted) == 4 and not set(plain) & set(salted)
+    insert(tree, tokens + [5] * 4, extra_key="tenant-a")
+    salted_events = take(rec)
+    salted = hashes_of(salted_events)
+    seed = namespace_seed("tenant-a") if dynamo else None
+    assert plain == sglang_hashes(tokens, 4)
+    assert salted == namespaced(sglang_hashes(tokens + [5] * 4, 4), seed)
+    assert per_page(salted_events)[-1][1] == salted[3]  # the parent, namespaced alike
+    assert bool(set(plain) & set(salted)) is not dynamo
     # A recorder attached after the inserts: digests are computed on demand, to the same values.
     late = RadixCache(4)
     insert(late, tokens)
-    insert(late, tokens, extra_key="tenant-a")
-    rec2 = KVEventRecorder()
+    insert(late, tokens + [5] * 4, extra_key="tenant-a")
+    rec2 = KVEventRecorder(namespaced=dynamo)
     late.record_events(rec2)
     late.evict(10**6)
     assert sorted(hashes_of(take(rec2))) == sorted(plain + salted)
@@ -155,7 +182,7 @@ def test_no_recorder_no_digests() -> None:
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_random_operations_keep_the_consumer_view_exact(page_size: int) -> None:
     rng = random.Random(page_size)
-    tree, rec = recording_tree(page_size)
+    tree, rec = recording_tree(page_size, dynamo=True)  # namespaces never share a hash
     live = LiveSet()
     locked = []
     for _ in range(400):
@@ -178,7 +205,7 @@ def test_random_operations_keep_the_consumer_view_exact(page_size: int) -> None:
             locked.clear()
         live.apply(take(rec))
         assert len(live.live) * page_size == tree.total_size()
-    assert live.live == tree_hashes(tree)
+    assert live.live == tree_hashes(tree, namespaced=True)
 
 
 def test_cache_finished_stores_full_pages_only(make_env) -> None:
@@ -187,103 +214,11 @@ def test_cache_finished_stores_full_pages_only(make_env) -> None:
     env.cache.record_events(rec)
     req = env.admit(list(range(1, 41)))  # 40 tokens: 2 full pages, 8 tokens not cached
     env.finish(req)
-    events = take(rec)
-    assert len(events) == 2 == 40 // 16
+    pages = per_page(take(rec))
+    assert len(pages) == 2 == 40 // 16
+    assert [t for _, _, t in pages] == [list(range(1, 17)), list(range(17, 33))]
     env.kv.flush()
     assert isinstance(take(rec)[-1], AllBlocksCleared)
-
-
-# ---- wire format ------------------------------------------------------------------------------
-def test_wire_format_is_vllm_and_sglang_array_like() -> None:
-    batch = KVEventBatch(
-        12.5,
-        [
-            BlockStored([-5], None, [1, 2], 2),
-            BlockStored([7], -5, [3, 4], 2),
-            BlockRemoved([-5]),
-            AllBlocksCleared(),
-        ],
-    )
-    payload = batch.encode()
-    assert msgpack.unpackb(payload) == [
-        12.5,
-        [
-            ["BlockStored", [-5], None, [1, 2], 2, None, "GPU"],
-            ["BlockStored", [7], -5, [3, 4], 2, None, "GPU"],
-            ["BlockRemoved", [-5], "GPU"],
-            ["AllBlocksCleared"],
-        ],
-        0,
-    ]
-    assert KVEventBatch.decode(payload) == batch
-    # The publisher's path (records straight to bytes) gives the same bytes.
-    tree, rec = recording_tree(2)
-    insert(tree, [1, 2, 3, 4])
-    tree.evict(2)
-    tree.reset()
-    records = rec.take()
-    assert encode_records(records, 3.0) == KVEventBatch(3.0, expand(records)).encode()
-    # An older producer's shape (no rank, no medium) still reads.
-    old = msgpack.packb([1.0, [["BlockStored", [1], None, [5], 1, None]]])
-    assert KVEventBatch.decode(old) == KVEventBatch(1.0, [BlockStored([1], None, [5], 1)], None)
-
-
-def test_msgspec_consumers_decode_our_batches() -> None:
-    """Byte for byte what SGLang's msgspec structs encode; readable by the older, shorter
-    structs of vLLM's subscriber example."""
-    msgspec = pytest.importorskip("msgspec")
-
-    def structs(omit_defaults: bool, with_medium: bool, rank: str | None):
-        # (defstruct: locally defined classes cannot resolve postponed annotations)
-        opts = {"array_like": True, "omit_defaults": omit_defaults, "gc": False}
-        medium = [("medium", str | None, None)] if with_medium else []
-        stored = msgspec.defstruct(
-            "Stored",
-            [
-                ("block_hashes", list[int]),
-                ("parent_block_hash", int | None),
-                ("token_ids", list[int]),
-                ("block_size", int),
-                ("lora_id", int | None),
-                *medium,
-            ],
-            tag="BlockStored",
-            **opts,
-        )
-        removed = msgspec.defstruct(
-            "Removed", [("block_hashes", list[int]), *medium], tag="BlockRemoved", **opts
-        )
-        cleared = msgspec.defstruct("Cleared", [], tag="AllBlocksCleared", **opts)
-        batch_fields = [("ts", float), ("events", list[stored | removed | cleared])]
-        if rank is not None:
-            batch_fields.append((rank, int | None, None))
-        return msgspec.defstruct("Batch", batch_fields, **opts), stored, removed, cleared
-
-    events = [
-        BlockStored([-3], None, [1, 2], 2),
-        BlockStored([2**62], -3, [3, 4], 2),
-        BlockRemoved([-3]),
-        AllBlocksCleared(),
-    ]
-    ours = KVEventBatch(1.25, events).encode()
-
-    batch, stored, removed, cleared = structs(False, True, "attn_dp_rank")  # SGLang today
-    theirs = batch(
-        1.25,
-        [
-            stored([-3], None, [1, 2], 2, None, "GPU"),
-            stored([2**62], -3, [3, 4], 2, None, "GPU"),
-            removed([-3], "GPU"),
-            cleared(),
-        ],
-        0,
-    )
-    assert msgspec.msgpack.encode(theirs) == ours
-
-    batch, *_ = structs(True, False, None)  # vLLM's first subscriber example, SGLang before
-    got = msgspec.msgpack.Decoder(batch).decode(ours)
-    assert [type(e).__name__ for e in got.events] == ["Stored", "Stored", "Removed", "Cleared"]
-    assert got.events[1].parent_block_hash == -3 and got.events[2].block_hashes == [-3]
 
 
 # ---- config -----------------------------------------------------------------------------------
@@ -307,6 +242,14 @@ def test_config_keys_and_errors() -> None:
         KVEventsConfig.from_json('{"publisher": "kafka"}')
     with pytest.raises(ValueError, match="buffer_steps must be a positive integer"):
         KVEventsConfig.from_json('{"buffer_steps": "10"}')
+    # SGLang's keys: bind and format.
+    sglang = KVEventsConfig.from_json('{"publisher": "zmq", "bind": true, "format": "dynamo"}')
+    assert (sglang.bind, sglang.format) == (True, "dynamo")
+    assert KVEventsConfig().format == "default" and KVEventsConfig().bind is None
+    with pytest.raises(ValueError, match="format must be one of 'default', 'dynamo'"):
+        KVEventsConfig.from_json('{"format": "vllm"}')
+    with pytest.raises(ValueError, match="bind must be true, false or null"):
+        KVEventsConfig.from_json('{"bind": "yes"}')
     with pytest.raises(ValueError, match="not valid JSON"):
         KVEventsConfig.from_json("{endpoint: 1}")
     with pytest.raises(ValueError, match="JSON object"):

@@ -1,6 +1,7 @@
 """KV events from a real server (`--kv-events-config`), read by a ZMQ SUB client as Dynamo or
 llm-d would: pages stored for a prompt, chained hashes, removals on eviction, a clear on
-`/flush_cache`, and a late subscriber that replays everything from sequence 0.
+`/flush_cache`, and a late subscriber that replays everything from sequence 0. Where sglang and
+msgspec are installed, every batch is also decoded by SGLang's own `KVEventBatch` (issue 44).
 
 One server: page size 16 and a 1024-token pool, so a few prompts force eviction.
 """
@@ -11,9 +12,10 @@ import itertools
 import json
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -23,11 +25,11 @@ from mem_cache.kv_event_publisher import END_SEQ
 from mem_cache.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
-    BlockStored,
     KVEventBatch,
     page_digests,
     public_hashes,
 )
+from tests.mem_cache.kv_event_helpers import per_page, sglang_decoder
 from tests.server.server_process import ServerProcess, free_port
 
 pytestmark = pytest.mark.slow
@@ -42,6 +44,7 @@ class Events:
     """A SUB client's view of the stream."""
 
     sub: zmq.Socket
+    sglang: Callable[[bytes], Any] | None  # SGLang's decoder, where installed
     payloads: dict[int, bytes] = field(default_factory=dict)  # seq -> payload
 
     def drain(self, quiet_s: float = 0.5) -> list[KVEventBatch]:
@@ -52,6 +55,14 @@ class Events:
             assert topic == TOPIC.encode()
             self.payloads[int.from_bytes(seq, "big")] = payload
             out.append(KVEventBatch.decode(payload))
+            if self.sglang is not None:
+                theirs = self.sglang(payload)
+                assert [type(e).__name__ for e in theirs.events] == [
+                    type(e).__name__ for e in out[-1].events
+                ]
+                assert [getattr(e, "block_hashes", None) for e in theirs.events] == [
+                    getattr(e, "block_hashes", None) for e in out[-1].events
+                ]
         return out
 
 
@@ -84,7 +95,7 @@ def events(server: tuple[str, int, int]) -> Iterator[Events]:
     sub.setsockopt(zmq.SUBSCRIBE, TOPIC.encode())
     sub.connect(f"tcp://127.0.0.1:{server[1]}")
     time.sleep(1.0)  # let the subscription reach the publisher before anything is sent
-    yield Events(sub)
+    yield Events(sub, sglang_decoder())
     sub.close(linger=0)
 
 
@@ -97,8 +108,9 @@ def generate(url: str, ids: list[int], new_tokens: int) -> None:
     assert r.status_code == 200, r.text
 
 
-def stored(batches: list[KVEventBatch]) -> list[BlockStored]:
-    return [e for b in batches for e in b.events if isinstance(e, BlockStored)]
+def stored(batches: list[KVEventBatch]) -> list[tuple[int, int | None, list[int]]]:
+    """Every stored page as (hash, parent hash, token ids)."""
+    return per_page([e for b in batches for e in b.events])
 
 
 def test_kv_events_from_a_live_server(server: tuple[str, int, int], events: Events) -> None:
@@ -110,19 +122,21 @@ def test_kv_events_from_a_live_server(server: tuple[str, int, int], events: Even
     # ceil(n / 16) BlockStored, chained, hashed as SGLang hashes them.
     pages = -(-len(prompt) // PAGE)
     generate(url, prompt, new_tokens=pages * PAGE - len(prompt) + 1)
-    first = stored(events.drain())
+    batches = events.drain()
+    first = stored(batches)
     assert len(first) == pages
-    assert [e.block_hashes[0] for e in first[:2]] == public_hashes(page_digests(prompt, PAGE, None))
-    assert first[0].parent_block_hash is None
+    assert [h for h, _, _ in first[:2]] == public_hashes(page_digests(prompt, PAGE, None))
+    assert first[0][1] is None
     for prev, cur in itertools.pairwise(first):
-        assert cur.parent_block_hash == prev.block_hashes[0]
-    assert first[2].token_ids[:8] == prompt[32:] and first[0].block_size == PAGE
+        assert cur[1] == prev[0]
+    assert first[2][2][:8] == prompt[32:]
+    assert all(e.block_size == PAGE for b in batches for e in b.events)
 
     # A prompt sharing the first two pages: its new pages chain to the shared second page.
     branch = prompt[:32] + [rng.randrange(100, 10_000) for _ in range(32)]
     generate(url, branch, new_tokens=1)
     new = stored(events.drain())
-    assert len(new) == 2 and new[0].parent_block_hash == first[1].block_hashes[0]
+    assert len(new) == 2 and new[0][1] == first[1][0]
 
     # Distinct prompts past the pool's size: the oldest pages are evicted and announced.
     for _ in range(6):
@@ -130,7 +144,7 @@ def test_kv_events_from_a_live_server(server: tuple[str, int, int], events: Even
     batches = events.drain()
     removed = [h for b in batches for e in b.events if isinstance(e, BlockRemoved)
                for h in e.block_hashes]  # fmt: skip
-    all_stored = [e.block_hashes[0] for e in first + new + stored(batches)]
+    all_stored = [h for h, _, _ in first + new + stored(batches)]
     assert removed, "no eviction in a pool smaller than the prompts sent"
     assert len(set(removed)) == len(removed) and set(removed) <= set(all_stored)
 
@@ -148,9 +162,10 @@ def test_kv_events_from_a_live_server(server: tuple[str, int, int], events: Even
         replayed: dict[int, bytes] = {}
         while True:
             assert dealer.poll(5000), "no replay answer"
-            _, seq, payload = dealer.recv_multipart()
+            _, topic, seq, payload = dealer.recv_multipart()
             if seq == END_SEQ:
                 break
+            assert topic == TOPIC.encode()
             replayed[int.from_bytes(seq, "big")] = payload
     finally:
         dealer.close(linger=0)
