@@ -83,3 +83,21 @@ def test_generate_until_equals_hf(remote_lm: Any, hf_lm: Any) -> None:
     got = remote_lm.generate_until(instances("generate_until", reqs), disable_tqdm=True)
     want = hf_lm.generate_until(instances("generate_until", reqs), disable_tqdm=True)
     assert got == want and any(got), (got, want)
+
+
+def test_local_chat_completions_generates_as_hf(url: str, hf_lm: Any) -> None:
+    """`local-chat-completions` sends the messages; the server's template renders them as the
+    model's own does, so the greedy answer equals `hf` on the same chat, templated locally."""
+    from lm_eval.models.openai_completions import LocalChatCompletion
+
+    model = requests.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    chat_lm = LocalChatCompletion(base_url=url + "/v1/chat/completions", model=model)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    params = {"until": ["\n"], "max_gen_toks": 8, "do_sample": False}
+    got = chat_lm.generate_until(
+        instances("generate_until", [(chat_lm.apply_chat_template(chat), params)]), True
+    )
+    want = hf_lm.generate_until(
+        instances("generate_until", [(hf_lm.apply_chat_template(chat), params)]), True
+    )
+    assert got == want and got[0], (got, want)
