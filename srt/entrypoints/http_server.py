@@ -2,9 +2,9 @@
 ones, over one `TokenizerManager`.
 
 `create_app(tm, server_args)` builds the FastAPI app (tests serve it too); `serve.py` runs it.
-The routes live by concern: `native_routes.py` (generate, abort, flush, tokenize),
-`admin_routes.py` (health, load, model and server info, metrics) and `openai/routes.py`;
-they reach the `TokenizerManager` and `ServerArgs` through `app_state.py`.
+The routes live by concern: `native_routes.py` (generate, abort, flush),
+`tokenize_routes.py` (tokenize, detokenize, tokenizer info), `admin_routes.py` (health, load,
+model and server info, metrics) and `openai/routes.py`; they reach the `TokenizerManager` and `ServerArgs` through `app_state.py`.
 
 Limits that keep one client from stalling the others: a body over `--max-request-bytes` is
 refused (413) before it is read whole (`limits.py`); prompts are tokenized off the event loop
@@ -16,7 +16,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from managers.tokenizer_manager import TokenizerManager
-from srt.entrypoints import admin_routes, native_routes
+from srt.entrypoints import admin_routes, native_routes, tokenize_routes
 from srt.entrypoints.admin_routes import VERSION
 from srt.entrypoints.app_state import install_state
 from srt.entrypoints.auth import ApiKeyMiddleware, resolve_api_key
@@ -39,6 +39,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     install_state(app, tm, server_args, show_local_paths=api_key is not None)
     app.include_router(admin_routes.router)
     app.include_router(native_routes.router)
+    app.include_router(tokenize_routes.router)
     if server_args.enable_metrics:
         app.include_router(admin_routes.metrics_router)
     tools = ServerToolConfig(server_args.tool_call_parser, server_args.reasoning_parser)

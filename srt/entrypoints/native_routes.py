@@ -1,5 +1,5 @@
-"""SGLang's native API: `/generate`, `/abort_request`, `/flush_cache`, `/tokenize`,
-`/detokenize`.
+"""SGLang's native API: `/generate`, `/abort_request`, `/flush_cache` (the tokenizer routes
+are in `tokenize_routes.py`).
 
 Handlers reach the `TokenizerManager` and `ServerArgs` through `app_state` dependencies.
 """
@@ -73,55 +73,3 @@ async def abort_request(request: Request, tm: TokenizerManagerDep) -> Response:
         raise RequestError("Give `rid` or `abort_all: true`.", param="rid")
     tm.abort_request(rid, abort_all)
     return Response(status_code=200)
-
-
-@router.post("/tokenize")
-async def tokenize(request: Request, tm: TokenizerManagerDep) -> Response:
-    body = await read_json_body(request)
-    prompt = body.get("prompt", body.get("text"))
-    add_special = body.get("add_special_tokens", True)
-    if tm.tokenizer is None:
-        raise RequestError("This server has no tokenizer.", status_code=400)
-    texts = prompt if isinstance(prompt, list) else [prompt]
-    if not texts or not all(isinstance(t, str) for t in texts):
-        raise RequestError("`prompt` must be a string or a list of strings.", "prompt")
-    if not isinstance(add_special, bool):
-        raise RequestError("`add_special_tokens` must be a boolean.", "add_special_tokens")
-    ids = await tm.off_loop(
-        lambda: [tm.tokenizer.encode(t, add_special_tokens=add_special) for t in texts]
-    )
-    one = not isinstance(prompt, list)
-    return json_response(
-        {
-            "tokens": ids[0] if one else ids,
-            "count": len(ids[0]) if one else [len(x) for x in ids],
-            "max_model_len": tm.context_len,
-        }
-    )
-
-
-@router.post("/detokenize")
-async def detokenize(request: Request, tm: TokenizerManagerDep) -> Response:
-    body = await read_json_body(request)
-    tokens = body.get("tokens")
-    skip = body.get("skip_special_tokens", False)
-    if tm.tokenizer is None:
-        raise RequestError("This server has no tokenizer.", status_code=400)
-    batch = isinstance(tokens, list) and bool(tokens) and isinstance(tokens[0], list)
-    seqs = tokens if batch else [tokens]
-
-    def decode() -> list[str] | None:
-        ok = isinstance(tokens, list) and all(
-            isinstance(s, list) and all(isinstance(t, int) and 0 <= t < tm.vocab_size for t in s)
-            for s in seqs
-        )
-        return [tm.tokenizer.decode(s, skip_special_tokens=skip) for s in seqs] if ok else None
-
-    if not isinstance(skip, bool):
-        raise RequestError("`skip_special_tokens` must be a boolean.", "skip_special_tokens")
-    texts = await tm.off_loop(decode)
-    if texts is None:
-        raise RequestError(
-            f"`tokens` must be a list of token ids in [0, {tm.vocab_size}).", "tokens"
-        )
-    return json_response({"text": texts if batch else texts[0]})

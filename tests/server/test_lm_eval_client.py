@@ -1,0 +1,103 @@
+"""lm-evaluation-harness's `local-completions` model against the real server, through lm-eval's
+own Python API: with no `tokenizer` argument it detects the server's tokenizer
+(`/tokenizer_info`, `/tokenize`, `/detokenize`) instead of downloading one, and its
+log-likelihoods equal lm-eval's `hf` backend on the same model in float32.
+
+The requests are inline `Instance`s: no task or data set is downloaded."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import requests
+
+pytestmark = pytest.mark.slow
+
+lm_eval = pytest.importorskip("lm_eval")
+
+PAIRS = [
+    ("The capital of France is", " Paris"),
+    ("1, 2, 3,", " 4, 5"),
+    ("Question: What colour is the sky?\nAnswer:", " blue"),
+]
+ROLLING = "Hello world, this is a short test of rolling log-likelihood."
+TOLERANCE = 1e-3
+
+
+def instances(kind: str, args: list[tuple[str, ...]]) -> list[Any]:
+    from lm_eval.api.instance import Instance
+
+    return [Instance(kind, {}, a, i) for i, a in enumerate(args)]
+
+
+@pytest.fixture(scope="module")
+def hf_lm(default_model_path: str) -> Any:
+    from lm_eval.models.huggingface import HFLM
+
+    return HFLM(pretrained=default_model_path, dtype="float32", device="cpu", batch_size=1)
+
+
+@pytest.fixture(scope="module")
+def remote_lm(url: str) -> Any:
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    model = requests.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    # No `tokenizer` and no `tokenizer_backend`: lm-eval picks the backend by probing.
+    return LocalCompletionsAPI(base_url=url + "/v1/completions", model=model, max_retries=1)
+
+
+def test_remote_tokenizer_is_detected(remote_lm: Any, hf_lm: Any) -> None:
+    from lm_eval.utils import RemoteTokenizer
+
+    assert remote_lm.tokenizer_backend == "remote"
+    assert isinstance(remote_lm.tokenizer, RemoteTokenizer)
+    hf_tok = hf_lm.tokenizer
+    assert remote_lm.eot_token_id == hf_tok.eos_token_id
+    assert remote_lm.eos_string == hf_tok.eos_token
+    text = "Tokenize me, please: 12345 ünïcode"
+    ids = remote_lm.tok_encode(text)
+    assert ids == hf_tok.encode(text, add_special_tokens=False)
+    assert remote_lm.tokenizer.decode(ids) == text
+
+
+def test_loglikelihood_equals_hf(remote_lm: Any, hf_lm: Any) -> None:
+    got = remote_lm.loglikelihood(instances("loglikelihood", PAIRS), disable_tqdm=True)
+    want = hf_lm.loglikelihood(instances("loglikelihood", PAIRS), disable_tqdm=True)
+    assert len(got) == len(want) == len(PAIRS)
+    for (lp, greedy), (hf_lp, hf_greedy) in zip(got, want, strict=True):
+        assert abs(lp - hf_lp) < TOLERANCE, (got, want)
+        assert greedy == hf_greedy, (got, want)
+
+
+def test_loglikelihood_rolling_equals_hf(remote_lm: Any, hf_lm: Any) -> None:
+    reqs = [(ROLLING,)]
+    got = remote_lm.loglikelihood_rolling(instances("loglikelihood_rolling", reqs), True)
+    want = hf_lm.loglikelihood_rolling(instances("loglikelihood_rolling", reqs), True)
+    assert abs(got[0] - want[0]) < TOLERANCE, (got, want)
+
+
+def test_generate_until_equals_hf(remote_lm: Any, hf_lm: Any) -> None:
+    params = {"until": ["\n"], "max_gen_toks": 8, "do_sample": False}
+    reqs = [(PAIRS[0][0], params)]
+    got = remote_lm.generate_until(instances("generate_until", reqs), disable_tqdm=True)
+    want = hf_lm.generate_until(instances("generate_until", reqs), disable_tqdm=True)
+    assert got == want and any(got), (got, want)
+
+
+def test_local_chat_completions_generates_as_hf(url: str, hf_lm: Any) -> None:
+    """`local-chat-completions` sends the messages; the server's template renders them as the
+    model's own does, so the greedy answer equals `hf` on the same chat, templated locally."""
+    from lm_eval.models.openai_completions import LocalChatCompletion
+
+    model = requests.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    chat_lm = LocalChatCompletion(base_url=url + "/v1/chat/completions", model=model)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    params = {"until": ["\n"], "max_gen_toks": 8, "do_sample": False}
+    got = chat_lm.generate_until(
+        instances("generate_until", [(chat_lm.apply_chat_template(chat), params)]), True
+    )
+    want = hf_lm.generate_until(
+        instances("generate_until", [(hf_lm.apply_chat_template(chat), params)]), True
+    )
+    assert got == want and got[0], (got, want)
