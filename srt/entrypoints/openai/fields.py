@@ -233,8 +233,8 @@ TEXT_PART_FIELDS: FieldTable = {
 
 STREAM_OPTIONS_FIELDS: FieldTable = {
     "include_usage": honoured("a final chunk with the usage"),
-    # vLLM's extra, as load generators (guidellm, aiperf --per-chunk-usage, vllm bench
-    # serve) send it; SGLang's routes take it too.
+    # vLLM's extra, as load generators (guidellm, aiperf --per-chunk-usage) send it;
+    # SGLang's routes take it too.
     "continuous_usage_stats": honoured(
         "with include_usage: every chunk carries its choice's usage so far (prompt, "
         "completion, total tokens); without include_usage nothing, as on vLLM",
