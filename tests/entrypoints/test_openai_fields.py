@@ -77,7 +77,7 @@ def _attr(name: str, value: Any) -> Check:
 
 
 SHARED: dict[str, tuple[dict[str, Any], Check | None]] = {
-    "model": ({"model": "fake-model"}, None),
+    "model": ({"model": "any-name"}, None),  # any name is served
     "max_tokens": ({"max_tokens": 3}, _param("max_new_tokens", 3)),
     "temperature": ({"temperature": 0.5}, _param("temperature", 0.5)),
     "top_p": ({"top_p": 0.9}, _param("top_p", 0.9)),

@@ -75,7 +75,7 @@ CASES = [
     ("/v1/completions", {"prompt": "a", "temperature": -0.5}, 400, "temperature"),
     ("/v1/completions", {"prompt": "a", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "a", "n": 0}, 400, "n"),
-    ("/v1/completions", {"prompt": "a", "model": "no-such-model"}, 404, "model"),
+    ("/v1/completions", {"prompt": "a", "model": "m" * 2000}, 400, "model"),
     ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
     ("/v1/completions", {"prompt": LONG}, 400, None),
     ("/v1/chat/completions", b"{", 400, None),

@@ -146,4 +146,4 @@ def test_errors_through_client(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="SmolLM2-135M-Instruct", prompt="x", max_tokens=-1)
     with pytest.raises(openai.NotFoundError):
-        client.completions.create(model="gpt-9", prompt="x", max_tokens=1)
+        client.models.retrieve("gpt-9")

@@ -84,7 +84,9 @@ _NO_EFFECT = "an OpenAI platform feature; no effect on the output here"
 
 # Fields both routes share: OpenAI's sampling fields, then SGLang's extras.
 _SHARED: dict[str, FieldRule] = {
-    "model": honoured("checked against the served model name (404 if another)"),
+    # SGLang's rule: sglang-router's PD mode forwards "unknown" for a client that sent none,
+    # and many clients default to a hosted model's name.
+    "model": honoured("any name: the loaded model serves it; the response echoes the name"),
     "max_tokens": honoured("max_new_tokens"),
     "temperature": honoured("temperature"),
     "top_p": honoured("top_p"),
@@ -94,7 +96,9 @@ _SHARED: dict[str, FieldRule] = {
     "n": honoured("number of samples (choices) per prompt"),
     "stop": honoured("stop strings"),
     "stream": honoured("server-sent events"),
-    "stream_options": honoured("include_usage: a final usage chunk"),
+    "stream_options": honoured(
+        "include_usage: a final usage chunk; with continuous_usage_stats, usage on every chunk"
+    ),
     "logit_bias": honoured("token id -> bias added to its logit"),
     "user": no_op(str, "end-user id for OpenAI's abuse monitoring; " + _NO_EFFECT),
     # SGLang extras.
@@ -229,6 +233,13 @@ TEXT_PART_FIELDS: FieldTable = {
 
 STREAM_OPTIONS_FIELDS: FieldTable = {
     "include_usage": honoured("a final chunk with the usage"),
+    # vLLM's extra, as load generators (guidellm, aiperf --per-chunk-usage) send it;
+    # SGLang's routes take it too.
+    "continuous_usage_stats": honoured(
+        "with include_usage: every chunk carries its choice's usage so far (prompt, "
+        "completion, total tokens); without include_usage nothing, as on vLLM",
+        "sglang",
+    ),
     "include_obfuscation": no_op(bool, "padding against side channels; never added here"),
 }
 

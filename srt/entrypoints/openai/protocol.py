@@ -42,6 +42,10 @@ from srt.sampling.sampling_params import (
     check_stop,
 )
 
+# A request's model name is echoed in every response and chunk: a long one is refused rather
+# than copied into each (a local path as the served name stays well under this).
+MAX_MODEL_NAME_CHARS = 1024
+
 
 class _Strict(BaseModel):
     """Known fields strictly typed; a field the model does not declare is refused. A model
@@ -65,6 +69,8 @@ class StreamOptions(_Strict):
     field_table = STREAM_OPTIONS_FIELDS
 
     include_usage: bool = False
+    # vLLM's extra (sent by load generators): with include_usage, usage on every chunk.
+    continuous_usage_stats: bool = False
 
 
 class ResponseFormat(_Strict):
@@ -94,7 +100,8 @@ class SamplingRequest(_Strict):
     timeout: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     priority: int | None = None
 
-    model: str | None = None
+    # Any name: the one loaded model serves it (SGLang's rule); the response echoes it.
+    model: str | None = Field(None, max_length=MAX_MODEL_NAME_CHARS)
     max_tokens: int | None = Field(None, ge=0)
     temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -149,6 +156,13 @@ class SamplingRequest(_Strict):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def usage_per_chunk(self) -> bool:
+        """Usage on every streamed chunk. vLLM's meaning: continuous_usage_stats counts only
+        with include_usage (alone it asks for nothing)."""
+        options = self.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
 
 
 PromptField = str | list[str] | list[int] | list[list[int]]

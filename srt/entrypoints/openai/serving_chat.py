@@ -39,11 +39,11 @@ from srt.entrypoints.openai.responses import (
 from srt.entrypoints.openai.serving_utils import (
     TokenizerManagerLike,
     UsageTracker,
-    check_model,
     collect_final,
     finish_reason,
     merge_outputs,
     now,
+    response_model,
     sampling_params,
     sse_response,
 )
@@ -77,7 +77,6 @@ class OpenAIServingChat:
 
     async def handle(self, body: dict[str, Any], raw_request: Request) -> Response:
         req = ChatCompletionRequest.model_validate(body)
-        check_model(self.tm, req.model)
         tool_use = ToolUse.from_request(req, self.server)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         # The template writes its own special tokens (BOS included, where it has one), so the
@@ -170,7 +169,7 @@ class OpenAIServingChat:
         response = ChatCompletionResponse(
             id=response_id,
             created=now(),
-            model=self.tm.served_model_name,
+            model=response_model(self.tm, req.model),
             choices=choices,
             usage=usage.usage(),
         )
@@ -184,14 +183,25 @@ class OpenAIServingChat:
         response_id: str,
     ) -> AsyncGenerator[ChatCompletionChunk, None]:
         created = now()
+        model = response_model(self.tm, req.model)
         usage = UsageTracker()
         sent_chars: dict[int, int] = {}  # output characters already sent, per choice
         readers: dict[int, ChoiceReader] = {}
         sent_logprobs: dict[int, int] = {}  # output logprob entries already sent
 
-        def chunk(choice: ChatStreamChoice) -> ChatCompletionChunk:
+        def chunk(choice: ChatStreamChoice, tokens: bool = True) -> ChatCompletionChunk:
+            """`tokens`: False for the role chunk, sent before the choice's tokens (its usage
+            counts none of them, as vLLM's does)."""
             return ChatCompletionChunk(
-                id=response_id, created=created, model=self.tm.served_model_name, choices=[choice]
+                id=response_id,
+                created=created,
+                model=model,
+                choices=[choice],
+                usage=(
+                    usage.choice_usage(0, choice.index if tokens else None)
+                    if req.usage_per_chunk
+                    else None
+                ),
             )
 
         async with aclosing(merge_outputs(gens)) as outputs:
@@ -204,7 +214,7 @@ class OpenAIServingChat:
                     sent_chars[index] = 0
                     readers[index] = tool_use.reader()
                     role = DeltaMessage(role="assistant", content="")
-                    yield chunk(ChatStreamChoice(index=index, delta=role))
+                    yield chunk(ChatStreamChoice(index=index, delta=role), tokens=False)
                 reader = readers[index]
                 piece = reader.feed(out["text"][sent_chars[index] :])
                 sent_chars[index] = max(sent_chars[index], len(out["text"]))
@@ -238,7 +248,7 @@ class OpenAIServingChat:
             yield ChatCompletionChunk(
                 id=response_id,
                 created=created,
-                model=self.tm.served_model_name,
+                model=model,
                 choices=[],
                 usage=usage.usage(),
             )

@@ -22,12 +22,12 @@ from srt.entrypoints.openai.responses import CompletionChoice, CompletionRespons
 from srt.entrypoints.openai.serving_utils import (
     TokenizerManagerLike,
     UsageTracker,
-    check_model,
     collect_final,
     finish_reason,
     json_schema_source,
     merge_outputs,
     now,
+    response_model,
     sampling_params,
     sse_response,
 )
@@ -49,7 +49,6 @@ class OpenAIServingCompletion:
 
     async def handle(self, body: dict[str, Any], raw_request: Request) -> Response:
         req = CompletionRequest.model_validate(body)
-        check_model(self.tm, req.model)
         prompts = split_prompts(req.prompt)
         check_batch_size(len(prompts), len(prompts) * req.n, self.max_batch_size, "prompt")
         params = sampling_params(req, req.max_tokens)
@@ -131,7 +130,7 @@ class OpenAIServingCompletion:
         response = CompletionResponse(
             id=response_id,
             created=now(),
-            model=self.tm.served_model_name,
+            model=response_model(self.tm, req.model),
             choices=choices,
             usage=usage.usage(),
         )
@@ -145,6 +144,7 @@ class OpenAIServingCompletion:
         prompt_texts: list[str],
     ) -> AsyncGenerator[CompletionResponse, None]:
         created = now()
+        model = response_model(self.tm, req.model)
         usage = UsageTracker()
         sent_chars: dict[int, int] = {}  # output characters already sent, per choice
         sent_logprobs: dict[int, int] = {}  # output logprob entries already sent
@@ -182,14 +182,15 @@ class OpenAIServingCompletion:
                 yield CompletionResponse(
                     id=response_id,
                     created=created,
-                    model=self.tm.served_model_name,
+                    model=model,
                     choices=[choice],
+                    usage=usage.choice_usage(i, index) if req.usage_per_chunk else None,
                 )
         if req.include_usage:
             yield CompletionResponse(
                 id=response_id,
                 created=created,
-                model=self.tm.served_model_name,
+                model=model,
                 choices=[],
                 usage=usage.usage(),
             )

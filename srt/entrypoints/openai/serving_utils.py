@@ -59,8 +59,16 @@ def now() -> int:
     return int(time.time())
 
 
-def check_model(tm: TokenizerManagerLike, model: str | None) -> None:
-    if model and model not in (tm.served_model_name, tm.model_path):
+def response_model(tm: TokenizerManagerLike, model: str | None) -> str:
+    """The `model` of a response: the name the request carried, as SGLang echoes it (the one
+    loaded model serves any name), else the served name (where SGLang writes "default")."""
+    return model or tm.served_model_name
+
+
+def check_model(tm: TokenizerManagerLike, model: str) -> None:
+    """`GET /v1/models/{model}` knows only the served model (SGLang's 404 too), though a
+    completion serves any name."""
+    if model not in (tm.served_model_name, tm.model_path):
         raise RequestError(f"The model `{model}` does not exist.", "model", 404)
 
 
@@ -180,14 +188,24 @@ class UsageTracker:
     def usage(self) -> UsageInfo:
         prompt = sum(self.prompt_tokens.values())
         completion = sum(self.completion_tokens.values())
-        return UsageInfo(
-            prompt_tokens=prompt,
-            completion_tokens=completion,
-            total_tokens=prompt + completion,
-            prompt_tokens_details=PromptTokensDetails(
-                cached_tokens=sum(self.cached_tokens.values())
-            ),
-        )
+        return _usage(prompt, completion, sum(self.cached_tokens.values()))
+
+    def choice_usage(self, prompt_index: int, choice_index: int | None) -> UsageInfo:
+        """One choice's usage so far, as vLLM puts it on each chunk with continuous usage
+        stats: its prompt's tokens and the choice's own completion tokens (`None`: a chunk
+        before its first token, as the chat role chunk)."""
+        prompt = self.prompt_tokens.get(prompt_index, 0)
+        completion = 0 if choice_index is None else self.completion_tokens.get(choice_index, 0)
+        return _usage(prompt, completion, self.cached_tokens.get(prompt_index, 0))
+
+
+def _usage(prompt: int, completion: int, cached: int) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
 
 
 async def merge_outputs(
