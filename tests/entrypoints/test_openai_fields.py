@@ -104,6 +104,7 @@ SHARED: dict[str, tuple[dict[str, Any], Check | None]] = {
     "repetition_penalty": ({"repetition_penalty": 1.1}, _param("repetition_penalty", 1.1)),
     "min_tokens": ({"min_tokens": 1}, _param("min_new_tokens", 1)),
     "stop_token_ids": ({"stop_token_ids": [2]}, _param("stop_token_ids", [2])),
+    "stop_regex": ({"stop_regex": "x+"}, _param("stop_regex", "x+")),
     "ignore_eos": ({"ignore_eos": True}, _param("ignore_eos", True)),
     "skip_special_tokens": ({"skip_special_tokens": False}, _param("skip_special_tokens", False)),
     "spaces_between_special_tokens": (

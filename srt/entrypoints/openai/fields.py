@@ -112,6 +112,7 @@ _SHARED: dict[str, FieldRule] = {
     "repetition_penalty": honoured("repetition_penalty", "sglang"),
     "min_tokens": honoured("min_new_tokens", "sglang"),
     "stop_token_ids": honoured("stop token ids", "sglang"),
+    "stop_regex": honoured("regular expressions that stop the output (as /generate)", "sglang"),
     "ignore_eos": honoured("ignore_eos", "sglang"),
     "skip_special_tokens": honoured("skip_special_tokens", "sglang"),
     "spaces_between_special_tokens": honoured("spaces_between_special_tokens", "sglang"),

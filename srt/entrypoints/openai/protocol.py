@@ -124,6 +124,7 @@ class SamplingRequest(_Strict):
     repetition_penalty: float | None = Field(None, gt=0.0, le=MAX_PENALTY)
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None  # checked by SamplingParams.verify
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True

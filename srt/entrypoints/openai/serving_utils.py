@@ -135,6 +135,7 @@ def sampling_params(req: SamplingRequest, max_new_tokens: int | None) -> dict[st
         "min_new_tokens": req.min_tokens,
         "stop": req.stop,
         "stop_token_ids": req.stop_token_ids,
+        "stop_regex": req.stop_regex,
         "seed": req.seed,
         "logit_bias": req.logit_bias,
     }
