@@ -23,6 +23,7 @@ import torch
 from srt.layers.weight_utils import full_shape, take_full
 from srt.model_loader.default_model import ModelNotFoundError, find_default_gguf
 from srt.model_loader.gguf_convert import convert_gguf
+from srt.model_loader.hf_cache import cached_snapshot, hub_cache_dir, looks_like_repo_id
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -39,7 +40,8 @@ DUMMY_LOW, DUMMY_HIGH = -1e-3, 1e-3
 
 
 def resolve_model_path(model_path: str | None, cache_dir: str | None = None) -> str:
-    """A local HF-format folder for ``model_path`` (converting a GGUF file if needed)."""
+    """A local HF-format folder for ``model_path``: a folder, a GGUF file (converted once),
+    or a model id (`Org/Name`) already in the local Hugging Face cache (`hf_cache.py`)."""
     if model_path is None:
         return str(convert_gguf(find_default_gguf(), cache_dir))
     path = Path(model_path).expanduser()
@@ -53,10 +55,20 @@ def resolve_model_path(model_path: str | None, cache_dir: str | None = None) -> 
             return str(convert_gguf(ggufs[0], cache_dir))
         hint = f" It holds {len(ggufs)} .gguf files; pass one of them." if ggufs else ""
         raise ModelNotFoundError(f"{path} is a folder without config.json.{hint}")
+    if looks_like_repo_id(model_path):
+        snapshot = cached_snapshot(model_path)
+        if snapshot is not None:
+            return str(snapshot)
+        raise ModelNotFoundError(
+            f"Model {model_path!r} is not in the local Hugging Face cache ({hub_cache_dir()}; "
+            "set HF_HOME or HF_HUB_CACHE to look elsewhere), and RadixRT never downloads from "
+            f"a model hub: run `huggingface-cli download {model_path}` first, or pass a folder."
+        )
     raise ModelNotFoundError(
-        f"Model path {model_path!r} is neither a local HF folder (with config.json) nor a "
-        ".gguf file. RadixRT never downloads from a model hub: download the model first "
-        "(e.g. `huggingface-cli download <repo> --local-dir <dir>`) and pass the folder."
+        f"Model path {model_path!r} is neither a local HF folder (with config.json), a .gguf "
+        "file, nor a model id in the local Hugging Face cache. RadixRT never downloads from a "
+        "model hub: download the model first (e.g. `huggingface-cli download <repo> "
+        "--local-dir <dir>`) and pass the folder."
     )
 
 
@@ -164,10 +176,13 @@ def get_model(
 def get_tokenizer(
     path: str, tokenizer_path: str | None = None, cache_dir: str | None = None
 ) -> PreTrainedTokenizerBase:
-    """The local tokenizer of ``tokenizer_path`` (a folder or .gguf) or else of ``path``."""
+    """The local tokenizer of ``tokenizer_path`` (a folder, a .gguf, or a model id in the
+    local Hugging Face cache) or else of ``path``."""
     from transformers import AutoTokenizer
 
     source = tokenizer_path or path
     if source.endswith(".gguf") and Path(source).is_file():
         source = str(convert_gguf(source, cache_dir))
+    elif looks_like_repo_id(source) and (snapshot := cached_snapshot(source)) is not None:
+        source = str(snapshot)
     return AutoTokenizer.from_pretrained(source, local_files_only=True)
