@@ -145,8 +145,7 @@ def prepare_prompt(
     if tokenizer is None and params.stop_regex:
         # Matched against decoded text: without a tokenizer it could never apply.
         raise RequestError(
-            "`stop_regex` needs the server's tokenizer (this one runs with "
-            "--skip-tokenizer-init).",
+            "`stop_regex` needs the server's tokenizer (this one runs with --skip-tokenizer-init).",
             param="stop_regex",
         )
     if grammar_limits is not None:

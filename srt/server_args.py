@@ -51,6 +51,22 @@ def _registry_names(registry: str, *extra: str) -> Callable[[], list[str]]:
     return names
 
 
+# `launch_server --help` in groups: (title, the first field of the group, in field order).
+HELP_GROUPS = (
+    ("model and tokenizer", "model_path"),
+    ("network", "host"),
+    ("request limits", "max_request_bytes"),
+    ("admission and time limits", "max_queued_requests"),
+    ("memory", "mem_fraction_static"),
+    ("scheduling", "max_running_requests"),
+    ("tensor parallelism", "tp_size"),
+    ("prefill/decode disaggregation", "disaggregation_mode"),
+    ("constrained decoding", "grammar_backend"),
+    ("backends", "attention_backend"),
+    ("observability", "log_level"),
+)
+
+
 @dataclass
 class ServerArgs:
     # Model and tokenizer
@@ -59,7 +75,9 @@ class ServerArgs:
     )
     tokenizer_path: str | None = _opt(None, "tokenizer folder; default: the model's")
     served_model_name: str | None = _opt(
-        None, "model name in the OpenAI API and metrics; default: the model path's name"
+        None,
+        "model name in the OpenAI API and metrics; default: --model-path as given "
+        "(SmolLM2-135M-Instruct without one)",
     )
     chat_template: str | None = _opt(
         None,
@@ -346,8 +364,14 @@ class ServerArgs:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """One flag per field, in `HELP_GROUPS` (a field belongs to the group whose first
+        field it follows)."""
         hints = get_type_hints(ServerArgs)
+        starts = {first: title for title, first in HELP_GROUPS}
+        group: Any = parser
         for f in dataclasses.fields(ServerArgs):
+            if f.name in starts:
+                group = parser.add_argument_group(starts[f.name])
             flag = "--" + f.name.replace("_", "-")
             base = _base_type(hints[f.name])
             kwargs: dict[str, Any] = {
@@ -356,17 +380,17 @@ class ServerArgs:
                 "help": f.metadata["help"],
             }
             if base is bool:
-                parser.add_argument(flag, action="store_true", **kwargs)
+                group.add_argument(flag, action="store_true", **kwargs)
                 negative = f.metadata["negative"]
                 if negative is not None:
-                    parser.add_argument(
+                    group.add_argument(
                         negative[0], dest=f.name, action="store_false", help=negative[1]
                     )
                 continue
             choices = ServerArgs.choices(f.name)
             if choices:
                 kwargs["choices"] = choices
-            parser.add_argument(flag, type=base, **kwargs)
+            group.add_argument(flag, type=base, **kwargs)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
@@ -380,8 +404,22 @@ def _base_type(hint: Any) -> type:
     return hint
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless its help already says it, or it is unset / off."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action) or text
+
+
 def prepare_server_args(argv: list[str]) -> ServerArgs:
-    parser = argparse.ArgumentParser(prog="launch_server", description="RadixRT server")
+    parser = argparse.ArgumentParser(
+        prog="launch_server",
+        description="RadixRT server",
+        formatter_class=_HelpFormatter,
+    )
     ServerArgs.add_cli_args(parser)
     try:
         return ServerArgs.from_cli_args(parser.parse_args(argv))

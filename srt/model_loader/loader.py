@@ -87,11 +87,13 @@ def _safetensors_files(folder: Path) -> list[Path]:
 def iterate_safetensors(folder: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, cpu_tensor)`` for every tensor in the folder's safetensors files."""
     from safetensors import safe_open
+    from tqdm import tqdm
 
     files = _safetensors_files(Path(folder))
     if not files:
         raise FileNotFoundError(f"No *.safetensors files in {folder}")
-    for file in files:
+    # A bar per checkpoint shard, on a terminal only (tqdm's disable=None: not in logs).
+    for file in tqdm(files, desc="Loading safetensors shards", unit="shard", disable=None):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 yield name, f.get_tensor(name)
