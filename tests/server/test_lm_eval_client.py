@@ -3,10 +3,13 @@ own Python API: with no `tokenizer` argument it detects the server's tokenizer
 (`/tokenizer_info`, `/tokenize`, `/detokenize`) instead of downloading one, and its
 log-likelihoods equal lm-eval's `hf` backend on the same model in float32.
 
-The requests are inline `Instance`s: no task or data set is downloaded."""
+The requests are inline `Instance`s, and a multiple-choice task whose three questions are a
+local JSON file run through `lm_eval.simple_evaluate`: nothing is downloaded."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -101,3 +104,53 @@ def test_local_chat_completions_generates_as_hf(url: str, hf_lm: Any) -> None:
         instances("generate_until", [(hf_lm.apply_chat_template(chat), params)]), True
     )
     assert got == want and got[0], (got, want)
+
+
+MC_DOCS = [
+    {"question": "What is the capital of France?", "choices": ["Paris", "London", "Rome"]},
+    {"question": "How many legs does a dog have?", "choices": ["two", "four", "six"]},
+    {"question": "What colour is grass?", "choices": ["blue", "red", "green"]},
+]
+
+
+def mc_task(folder: Path) -> dict[str, Any]:
+    """An lm-eval multiple-choice task (a task config, as a YAML file would give it) over
+    a local JSON Lines file."""
+    data = folder / "test.jsonl"
+    data.write_text("".join(json.dumps(doc | {"answer": 0}) + "\n" for doc in MC_DOCS))
+    return {
+        "task": "radixrt_tiny_mc",
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(data)}},
+        "test_split": "test",
+        "output_type": "multiple_choice",
+        "doc_to_text": "Question: {{question}}\nAnswer:",
+        "doc_to_choice": "{{choices}}",
+        "doc_to_target": "{{answer}}",
+        "metric_list": [{"metric": "acc", "higher_is_better": True}],
+    }
+
+
+def test_multiple_choice_task_equals_hf(
+    remote_lm: Any, hf_lm: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real lm-eval task through `simple_evaluate`: every choice's log-likelihood, and so
+    the accuracy, as the `hf` backend scores them."""
+    pytest.importorskip("sacrebleu")  # lm_eval.evaluator imports its metrics
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    from lm_eval import simple_evaluate
+
+    task = mc_task(tmp_path)
+    runs = [
+        simple_evaluate(model=lm, tasks=[dict(task)], log_samples=True) for lm in (remote_lm, hf_lm)
+    ]
+    (got, want) = (
+        [sample["filtered_resps"] for sample in run["samples"]["radixrt_tiny_mc"]] for run in runs
+    )
+    assert len(got) == len(want) == len(MC_DOCS)
+    for doc_got, doc_want in zip(got, want, strict=True):
+        assert len(doc_got) == 3
+        for (lp, _), (hf_lp, _) in zip(doc_got, doc_want, strict=True):
+            assert abs(lp - hf_lp) < TOLERANCE, (got, want)
+    accuracy = [run["results"]["radixrt_tiny_mc"]["acc,none"] for run in runs]
+    assert accuracy[0] == accuracy[1]
