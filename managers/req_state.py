@@ -123,28 +123,47 @@ async def wait_outputs(
 ) -> AsyncIterator[dict[str, Any]]:
     """The outputs of one request's samples as they come (cumulative snapshots when
     streaming, else each sample's final one). A sample refused before anything was sent
-    raises `RequestError`; a client gone (polled every `DISCONNECT_POLL_S`) ends it early."""
+    raises `RequestError`; a client gone (polled every `DISCONNECT_POLL_S`) ends it early.
+
+    The disconnect poll runs beside the wait (`_watch_disconnect`), not as a timeout on each
+    wait: a stream waits once per token, and a timed wait costs a task and a timer each."""
     pending = len(states)
     sent = False
-    while pending:
-        try:
-            state = await asyncio.wait_for(ready.get(), DISCONNECT_POLL_S)
-        except asyncio.TimeoutError:
-            if request is not None and await request.is_disconnected():
+    watch = None
+    if request is not None:
+        watch = asyncio.ensure_future(_watch_disconnect(request, ready))
+    try:
+        while pending:
+            state = await ready.get()
+            if state is _DISCONNECTED:
                 logger.info("Client disconnected; aborting request %s.", states[0].parent_rid)
                 return
-            continue
-        state.queued = False
-        if state.finished:
-            pending -= 1
-            reason = state.finish_reason
-            # Refused before anything was sent (bad input, invalid grammar, a full queue,
-            # timed out waiting): an error, so HTTP answers 4xx / 503 instead of
-            # starting a stream.
-            if reason is not None and reason.is_abort and reason.status_code and not sent:
-                if reason.status_code == 503:
-                    raise RequestError.overloaded(reason.message or "")
-                raise RequestError(reason.message or "", status_code=reason.status_code)
-        if stream or state.finished:
-            sent = True
-            yield state.snapshot()
+            state.queued = False
+            if state.finished:
+                pending -= 1
+                reason = state.finish_reason
+                # Refused before anything was sent (bad input, invalid grammar, a full
+                # queue, timed out waiting): an error, so HTTP answers 4xx / 503 instead of
+                # starting a stream.
+                if reason is not None and reason.is_abort and reason.status_code and not sent:
+                    if reason.status_code == 503:
+                        raise RequestError.overloaded(reason.message or "")
+                    raise RequestError(reason.message or "", status_code=reason.status_code)
+            if stream or state.finished:
+                sent = True
+                yield state.snapshot()
+    finally:
+        if watch is not None:
+            watch.cancel()
+
+
+# Put in a request's ready queue when its client went away.
+_DISCONNECTED: Any = object()
+
+
+async def _watch_disconnect(request: Any, ready: asyncio.Queue[Any]) -> None:
+    while True:
+        await asyncio.sleep(DISCONNECT_POLL_S)
+        if await request.is_disconnected():
+            ready.put_nowait(_DISCONNECTED)
+            return
