@@ -100,6 +100,25 @@ def test_disaggregated_equals_aggregated(
     assert again[0]["output_ids"] == reference[0]
 
 
+def test_disaggregated_on_the_gpu_path_equals_aggregated(
+    model: str, reference, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both sides on the GPU path, run on this CPU through the device-memory test double: the
+    decode side's preallocated rows reach its device table through the logged rewrites, the
+    prefill side reads the slots it sends from its host mirror."""
+    from tests.managers.device_double import SeparateMemoryDouble
+
+    SeparateMemoryDouble().install(monkeypatch)
+    prefill, decode, port = pair(model, "loopback", overlap=True)
+    assert decode.worker.model_runner.req_to_token_pool.mirrored
+    assert decode.scheduler.forward_worker.threaded is False
+    outs = run_pair(prefill, decode, port, TEXTS)
+    assert [o["output_ids"] for o in outs] == reference
+    for d in (prefill, decode):
+        d.scheduler.check_memory()
+        assert d.scheduler.kv.token_usage() == 0
+
+
 def test_missing_prefill_times_out_and_frees(model: str, reference) -> None:
     """No prefill server answers: the decode side gives up after the timeout, quarantines the
     pre-allocated slots until the quarantine bound (nobody acknowledges), frees them, and then
