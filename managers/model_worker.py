@@ -27,7 +27,7 @@ import threading
 import numpy as np
 import torch
 
-from managers.schedule_batch import GenerationBatchResult, ModelWorkerBatch
+from managers.schedule_batch import GenerationBatchResult, ModelWorkerBatch, token_positions
 from managers.worker_results import InputLogprobs, LaunchedBatch, ResultChannel
 from srt.configs.model_config import ModelConfig
 from srt.distributed import TPGroup
@@ -248,10 +248,8 @@ def _pack(
     else:
         prefix = np.asarray(mwb.prefix_lens, dtype=np.int64)
         new = np.asarray(mwb.seq_lens, dtype=np.int64) - prefix
-        starts = np.cumsum(new) - new  # each request's first token among the batch's
-        positions = np.arange(int(new.sum()), dtype=np.int64) + np.repeat(prefix - starts, new)
         pack.add("input_ids", mwb.input_ids)
-        pack.add("positions", positions)
+        pack.add("positions", token_positions(mwb.prefix_lens, mwb.seq_lens))
         pack.add("out_cache_loc", mwb.out_cache_loc)
         pack.add("req_pool_indices", mwb.req_pool_indices)
         pack.add("seq_lens", mwb.seq_lens)

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from managers.schedule_batch import GenerationBatchResult, ModelWorkerBatch
-from srt.model_executor.step_inputs import FutureSlots
+from srt.model_executor.step_inputs import FutureSlots, resolve_future_ids
 from srt.utils.device_memory import device_memory
 
 # Placeholders name a ring of slots; a batch's slots are reused only many batches later.
@@ -159,10 +159,9 @@ class OverlapWorker:
             done.error = e
 
     def _resolve_placeholders(self, mwb: ModelWorkerBatch) -> None:
-        ids = torch.tensor(mwb.input_ids, dtype=torch.int64)
-        future = ids < 0
-        if bool(future.any()):
-            ids = torch.where(future, self.future[ids.neg().clamp_(min=0)], ids)
+        if min(mwb.input_ids, default=0) < 0:
+            ids = torch.tensor(mwb.input_ids, dtype=torch.int64)
+            resolve_future_ids(ids, self.future)
             mwb.input_ids = ids.tolist()
 
 

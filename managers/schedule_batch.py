@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from constrained.base_grammar_backend import VocabMask
@@ -43,7 +44,8 @@ class ModelWorkerBatch:
     sample_positions: list[int] | None
     return_logprob: bool
     top_logprobs_nums: list[int]
-    # Prompt logprobs, per request: (first logits row, target token ids); None if not asked.
+    # Prompt logprobs of an extend, per request: (first logits row, target token ids), None
+    # if not asked; empty for a decode (a decode computes no prompt positions).
     input_logprob_specs: list[tuple[int, list[int]] | None] = field(default_factory=list)
 
     def extend_lens(self) -> list[int]:
@@ -51,7 +53,7 @@ class ModelWorkerBatch:
 
     def positions(self) -> torch.Tensor:
         """int64 [T]: the position of each new token."""
-        return _positions(self.prefix_lens, self.seq_lens)
+        return torch.from_numpy(token_positions(self.prefix_lens, self.seq_lens))
 
     def argmax_only(self) -> bool:
         """Whether the forward's logits feed only an argmax per row (no logprobs of the
@@ -198,7 +200,7 @@ class ScheduleBatch:
         extend = self.forward_mode.is_extend()
         logits_rows: list[int] | None = None
         sample_rows: list[int] | None = None
-        specs: list[tuple[int, list[int]] | None] = [None] * len(reqs)
+        specs: list[tuple[int, list[int]] | None] = []
         if extend:
             logits_rows, sample_rows, specs = self._logits_rows()
         # Index of the token each row samples, from KV lengths: right even when the overlap
@@ -280,9 +282,10 @@ class ScheduleBatch:
         )
 
 
-def _positions(prefix_lens: list[int], seq_lens: list[int]) -> torch.Tensor:
-    if all(s - p == 1 for p, s in zip(prefix_lens, seq_lens, strict=True)):
-        return torch.tensor(prefix_lens, dtype=torch.int64)
-    return torch.cat(
-        [torch.arange(p, s, dtype=torch.int64) for p, s in zip(prefix_lens, seq_lens, strict=True)]
-    )
+def token_positions(prefix_lens: list[int], seq_lens: list[int]) -> np.ndarray:
+    """int64 [T]: the position of each new token of requests growing from prefix_lens to
+    seq_lens, request after request."""
+    prefix = np.asarray(prefix_lens, dtype=np.int64)
+    new = np.asarray(seq_lens, dtype=np.int64) - prefix
+    starts = np.cumsum(new) - new  # each request's first token among the batch's
+    return np.arange(int(new.sum()), dtype=np.int64) + np.repeat(prefix - starts, new)
