@@ -1,0 +1,125 @@
+"""CPU seconds each server process spends while `bench_serving` streams a workload through it.
+
+Where a serving run is bound by a process other than the scheduler (the front process, which
+runs HTTP and the tokenizer manager on one Python thread, or the detokenizer), that process's
+CPU time per output token is its ceiling: one core carries 1e6 / (µs per token) tokens a
+second. The script starts a server, reads each of its processes' CPU time (/proc) before and
+after one `bench_serving` run, and prints seconds and µs per output token per process.
+
+    python -m bench.serving_cpu --model-path MODEL --num-prompts 128 --output-len 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+STARTUP_TIMEOUT_S = 300
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def processes(server: subprocess.Popen) -> dict[int, str]:
+    """The server's own process and its children, by name."""
+    out = subprocess.run(
+        ["ps", "-o", "pid=,args=", "--ppid", str(server.pid)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    named = {server.pid: "front (HTTP + tokenizer manager)"}
+    for line in out.splitlines():
+        pid, args = line.split(None, 1)
+        if "resource_tracker" not in args:
+            named[int(pid)] = f"child {pid}"
+    return named
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--port", type=int, default=31555)
+    p.add_argument("--num-prompts", type=int, default=128)
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--backend", default="radixrt", help="bench_serving's --backend")
+    p.add_argument("--server-args", default="--dtype float32", help="extra launch_server args")
+    args = p.parse_args(argv)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "srt.launch_server",
+            "--model-path",
+            args.model_path,
+            "--port",
+            str(args.port),
+            *args.server_args.split(),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{args.port}/health")
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise SystemExit("the server did not start") from None
+                time.sleep(1)
+        named = processes(server)
+        before = {pid: cpu_seconds(pid) for pid in named}
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "bench.bench_serving",
+                "--port",
+                str(args.port),
+                "--backend",
+                args.backend,
+                "--dataset-name",
+                "random",
+                "--num-prompts",
+                str(args.num_prompts),
+                "--random-input-len",
+                str(args.input_len),
+                "--random-output-len",
+                str(args.output_len),
+                "--random-range-ratio",
+                "1.0",
+                "--tokenizer",
+                args.model_path,
+                "--disable-tqdm",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        after = {pid: cpu_seconds(pid) for pid in named}
+    finally:
+        server.terminate()
+        server.wait()
+    tokens = int(re.search(r"Total generated tokens:\s+(\d+)", run.stdout).group(1))
+    if tokens == 0:
+        raise SystemExit(f"no token was generated:\n{run.stdout[-2000:]}")
+    rate = re.search(r"Output token throughput \(tok/s\):\s+([\d.]+)", run.stdout).group(1)
+    print(f"{tokens} output tokens, {rate} tok/s")
+    for pid, name in named.items():
+        spent = after[pid] - before[pid]
+        print(f"{spent:7.2f} s CPU  {spent / tokens * 1e6:6.1f} µs/token  {name}")
+
+
+if __name__ == "__main__":
+    main()
