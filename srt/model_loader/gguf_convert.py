@@ -14,6 +14,7 @@ in the serving forward path.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -24,10 +25,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from srt import environ
+
+if TYPE_CHECKING:  # torch is imported only to convert: finding a converted folder needs none
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -44,11 +47,11 @@ def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     return environ.cache_root()
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return "float32" if dtype is None else str(dtype).removeprefix("torch.")
 
 
-def _fingerprint(gguf_path: Path, dtype: torch.dtype) -> dict[str, object]:
+def _fingerprint(gguf_path: Path, dtype: torch.dtype | None) -> dict[str, object]:
     st = gguf_path.stat()
     return {
         "source": str(gguf_path),
@@ -63,7 +66,7 @@ def _fingerprint(gguf_path: Path, dtype: torch.dtype) -> dict[str, object]:
 def converted_folder(
     gguf_path: str | os.PathLike[str],
     cache_dir: str | os.PathLike[str] | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
 ) -> Path:
     """Where ``gguf_path`` converts to (whether or not it has been converted yet)."""
     path = Path(gguf_path).resolve()
@@ -80,11 +83,11 @@ def is_converted(folder: Path) -> bool:
 def convert_gguf(
     gguf_path: str | os.PathLike[str],
     cache_dir: str | os.PathLike[str] | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
 ) -> Path:
     """Return the HF folder for ``gguf_path``, converting it first if needed.
 
-    float32 (the default) keeps the dequantized values exact; the runtime casts at load time.
+    float32 (the default, None) keeps the dequantized values exact; the runtime casts at load time.
     """
     path = Path(gguf_path).resolve()
     if not path.is_file():
@@ -103,7 +106,7 @@ def convert_gguf(
         try:
             start = time.perf_counter()
             logger.info("Converting %s to an HF folder (one-time, %s)", path, dtype)
-            _write_hf_folder(path, tmp, dtype)
+            _write_hf_folder(path, tmp, _torch_dtype(dtype))
             seconds = time.perf_counter() - start
             marker = dict(_fingerprint(path, dtype), seconds=round(seconds, 2))
             (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
@@ -115,6 +118,12 @@ def convert_gguf(
             raise
     logger.info("Converted GGUF %s -> %s in %.1f s", path.name, final, seconds)
     return final
+
+
+def _torch_dtype(dtype: torch.dtype | None) -> torch.dtype:
+    import torch
+
+    return torch.float32 if dtype is None else dtype
 
 
 @contextmanager
@@ -134,7 +143,40 @@ def _remove_stale_temps(final: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
+@contextmanager
+def _gguf_read_once() -> Iterator[None]:
+    """Inside: `gguf.GGUFReader` parses each file once and `gguf.get_tensor_name_map` builds
+    each map once. transformers reads the file three times (config, tokenizer, weights),
+    each a full parse of every metadata field (the vocabulary and merges token by token),
+    and rebuilds the tensor-name map once per module of the model; both are pure, so sharing
+    them changes nothing but the time a first start takes (`python -m bench.gguf_convert`
+    measures it). transformers imports both names from `gguf` at call time, so replacing the
+    module's attributes for the duration reaches it."""
+    import gguf
+
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], object] = {}
+
+    def reader(path: str | os.PathLike[str], mode: str = "r") -> object:
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = real_reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(real_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
+
+
 def _write_hf_folder(gguf_path: Path, out: Path, dtype: torch.dtype) -> None:
+    with _gguf_read_once():
+        _convert(gguf_path, out, dtype)
+
+
+def _convert(gguf_path: Path, out: Path, dtype: torch.dtype) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
