@@ -1,14 +1,18 @@
-"""Attention: backend base (plan / run), the backends, and the RadixAttention layer."""
+"""Attention: backend base (plan / run), the backends, and the RadixAttention layer.
+
+The names below are imported from their submodule on first use (`srt.utils.lazy`): the HTTP
+server reads the backend names from `registry` without importing torch.
+"""
 
 from __future__ import annotations
 
-from attention.base import AttentionBackend
-from attention.radix_attention import RadixAttention
-from attention.registry import available_attention_backends, create_attention_backend
+from srt.utils.lazy import lazy_exports
 
-__all__ = [
-    "AttentionBackend",
-    "RadixAttention",
-    "available_attention_backends",
-    "create_attention_backend",
-]
+_SUBMODULE = {
+    "AttentionBackend": "attention.base",
+    "RadixAttention": "attention.radix_attention",
+    "available_attention_backends": "attention.registry",
+    "create_attention_backend": "attention.registry",
+}
+
+__getattr__ = lazy_exports(__name__, _SUBMODULE)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from attention.base import AttentionBackend
+from srt.utils.lazy import lazy_exports
 from srt.utils.registry import Registry, is_package_installed
 
 if TYPE_CHECKING:
     import torch
+
+    from attention.base import AttentionBackend
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -18,6 +20,10 @@ __all__ = [
     "is_package_installed",
     "resolve_attention_backend",
 ]
+
+# For type hints elsewhere (`srt/` reaches attention only through this module), imported on
+# first use: the HTTP server reads the backend names here without importing torch.
+__getattr__ = lazy_exports(__name__, {"AttentionBackend": "attention.base"})
 
 # GPU backends register with the package they need, which is only imported when one is chosen.
 ATTENTION_BACKENDS: Registry[AttentionBackend] = Registry("attention backend")

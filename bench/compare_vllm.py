@@ -66,7 +66,7 @@ def default_vocab_size() -> int:
     """The default model's vocabulary, as bench_offline's driver sees it (same W1 prompts)."""
     from transformers import AutoConfig
 
-    from srt.model_loader.loader import resolve_model_path
+    from srt.model_loader.sources import resolve_model_path
 
     return AutoConfig.from_pretrained(resolve_model_path(None)).vocab_size
 
@@ -105,7 +105,7 @@ def w1_radixrt(dtype: str, log: Path) -> dict[str, Any]:
 
 
 def w1_vllm(venv: str, dtype: str, bind: str, prompts: Path, log: Path) -> dict[str, Any]:
-    from srt.model_loader.loader import resolve_model_path
+    from srt.model_loader.sources import resolve_model_path
 
     script = Path(__file__).parent / "peers" / "vllm_offline.py"
     cmd = [str(Path(venv) / "bin" / "python"), str(script), "--model", resolve_model_path(None)]
@@ -134,7 +134,7 @@ def alternating(
 
 
 def w2(side: Side, out_dir: Path) -> dict[str, Any]:
-    from srt.model_loader.loader import resolve_model_path
+    from srt.model_loader.sources import resolve_model_path
 
     # Both servers' prompts come from the same tokenizer (vLLM has no /get_model_info).
     bench_args = build_parser().parse_args([*W2, "--tokenizer", resolve_model_path(None)])

@@ -229,7 +229,7 @@ def load_tokenizer(path: str | None, base_url: str) -> Any:
     """`path` (a local folder), else the server's tokenizer as /get_model_info names it."""
     from transformers import AutoTokenizer
 
-    from srt.model_loader.loader import resolve_model_path
+    from srt.model_loader.sources import resolve_model_path
     from srt.server_args import DEFAULT_MODEL_NAME
 
     if path is None:

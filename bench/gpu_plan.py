@@ -77,7 +77,7 @@ CALLS: list[dict] = [
             f"{GUARD} {ENV} mkdir -p {GGUF_DIR} && cat $HOME/gpu/model.part.aa "
             f".gpu/model.part.ab | gunzip > {GGUF_DIR}/{GGUF_NAME} && (cd {GGUF_DIR} && "
             "sha256sum -c -) < .gpu/model.sha256 || exit 4; $PY -c "
-            '"from srt.model_loader.loader import resolve_model_path as r; print(r(None))" '
+            '"from srt.model_loader.sources import resolve_model_path as r; print(r(None))" '
             f"|| exit 5; timeout 330 {PYTEST} tests/gpu/test_gpu_engine.py "
             "tests/gpu/test_sync_free_decode.py tests/engine/test_cuda_torch_native.py "
             "2>&1 | tee $OUT/engine.log; " + bench_command("default", 240)

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from constrained.xgrammar_backend import XGrammarBackend
     from srt.configs.model_config import ModelConfig
-    from srt.model_loader.loader import get_tokenizer
+    from srt.model_loader.sources import get_tokenizer
 
     cfg = ModelConfig.from_path(None)
     backend = XGrammarBackend(get_tokenizer(cfg.model_path), cfg.vocab_size, cfg.eos_token_ids)

@@ -35,11 +35,12 @@ import logging
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from constrained.limits import GrammarLimitError, GrammarLimits, GrammarSize, check_grammar_limits
+
+if TYPE_CHECKING:  # torch only types the masks here: the HTTP server imports this module
+    import torch
 
 logger = logging.getLogger(__name__)
 

@@ -53,7 +53,7 @@ class InProcessDriver:
         if tokenizer is None and not server_args.skip_tokenizer_init:
             path = getattr(worker.model_config, "model_path", None)
             if path is not None:
-                from srt.model_loader.loader import get_tokenizer
+                from srt.model_loader.sources import get_tokenizer
 
                 tokenizer = get_tokenizer(path, server_args.tokenizer_path)
         self.worker = worker

@@ -291,3 +291,4 @@ class SchedulerReady:
     max_total_tokens: int
     max_running_requests: int
     eos_token_ids: list[int]
+    device: str  # what `--device auto` resolved to, so the main process never imports torch

@@ -129,7 +129,7 @@ class SchedulerServer:
         self, server_args: ServerArgs, port_args: PortArgs, tp: TPGroup | None = None
     ) -> None:
         from managers.model_worker import ModelWorker
-        from srt.model_loader.loader import get_tokenizer
+        from srt.model_loader.sources import get_tokenizer
 
         tp = tp if tp is not None else TPGroup.single()
         self.server_args = server_args
@@ -184,6 +184,7 @@ class SchedulerServer:
             max_total_tokens=s.kv.total_tokens,
             max_running_requests=s.kv.max_rows,
             eos_token_ids=list(s.eos_token_ids),
+            device=str(s.worker.device).split(":")[0],
         )
 
     # ---- loop ----------------------------------------------------------------------

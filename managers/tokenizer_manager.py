@@ -96,7 +96,7 @@ class TokenizerManager:
         self.max_running_requests = ready.max_running_requests
         self.tokenizer: Any = tokenizer
         if tokenizer is None and not server_args.skip_tokenizer_init:
-            from srt.model_loader.loader import get_tokenizer
+            from srt.model_loader.sources import get_tokenizer
 
             self.tokenizer = get_tokenizer(self.model_path, server_args.tokenizer_path)
         self.chat_template = load_chat_template(server_args.chat_template)

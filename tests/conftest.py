@@ -36,7 +36,7 @@ SERVER_ARGS = (
 
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
-    from srt.model_loader.loader import resolve_model_path
+    from srt.model_loader.sources import resolve_model_path
 
     return resolve_model_path(None)
 

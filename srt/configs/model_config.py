@@ -50,7 +50,7 @@ class ModelConfig:
         """Resolve ``model_path`` (None = default model, .gguf, or HF folder) and read it."""
         from transformers import AutoConfig
 
-        from srt.model_loader.loader import resolve_model_path
+        from srt.model_loader.sources import resolve_model_path
 
         folder = resolve_model_path(model_path, cache_dir)
         hf_config = AutoConfig.from_pretrained(folder, local_files_only=True)

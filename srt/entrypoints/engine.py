@@ -46,13 +46,17 @@ class Engine:
             # Loaded while the children load the model (seconds of each start).
             tokenizer = None
             if not self.server_args.skip_tokenizer_init:
-                from srt.model_loader.loader import get_tokenizer
+                from srt.model_loader.sources import get_tokenizer
 
                 tokenizer = get_tokenizer(self.children.model_path, self.server_args.tokenizer_path)
+            ready = self.children.wait_ready()
+            # The scheduler's device stands for "auto" from now on: resolving it here would
+            # import torch into a process that never runs a model.
+            self.server_args = dataclasses.replace(self.server_args, device=ready.device)
             self.tokenizer_manager = TokenizerManager(
                 self.server_args,
                 self.children.port_args,
-                self.children.wait_ready(),
+                ready,
                 self.server_args.resolved_served_model_name(),
                 tokenizer,
             )

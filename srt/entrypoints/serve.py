@@ -105,7 +105,7 @@ def serve(server_args: ServerArgs) -> int:
     except ChildStartError as e:  # its text is the child's own report (a traceback, or why)
         logger.error("%s", e)
         return 1
-    app = create_app(engine.tokenizer_manager, server_args)
+    app = create_app(engine.tokenizer_manager, engine.server_args)
     config = uvicorn.Config(
         app,
         host=server_args.host,

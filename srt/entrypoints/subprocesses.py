@@ -33,8 +33,7 @@ from typing import Any
 
 from managers.detokenizer_manager import run_detokenizer_process
 from managers.io_struct import SchedulerReady
-from managers.scheduler_process import run_scheduler_process
-from srt.distributed import TPSpec, node_specs
+from srt.distributed.spec import TPSpec, node_specs
 from srt.server_args import ServerArgs
 from srt.utils.process import TP_PEER_LOST_EXIT_CODE, PortArgs, describe_exit
 
@@ -49,6 +48,15 @@ ROOT_CAUSE_WAIT_S = 0.3
 
 class ChildStartError(RuntimeError):
     pass
+
+
+def run_scheduler(*args: Any) -> None:
+    """A scheduler rank's entry point, by this module's name: the spawned child imports the
+    scheduler (torch, the model code) itself, and the parent, which only needs this name to
+    start it, never does."""
+    from managers.scheduler_process import run_scheduler_process
+
+    run_scheduler_process(*args)
 
 
 def scheduler_name(rank: int) -> str:
@@ -83,7 +91,7 @@ class ChildProcesses:
     (on a node > 0, the first local rank's)."""
 
     def __init__(self, server_args: ServerArgs) -> None:
-        from srt.model_loader.loader import resolve_model_path
+        from srt.model_loader.sources import resolve_model_path
 
         # Resolve (and convert a GGUF) once here, so the children load the same folder.
         model_path = resolve_model_path(server_args.model_path, server_args.cache_dir)
@@ -103,7 +111,7 @@ class ChildProcesses:
             # At tp=1 the call is the one from before tensor parallelism, argument for argument.
             args = (child_args, self.port_args, writer, pid) + ((spec,) if spec else ())
             self.procs[name] = ctx.Process(
-                target=run_scheduler_process,
+                target=run_scheduler,
                 args=args,
                 name="radixrt-" + name.replace(" ", "-"),
                 daemon=True,

@@ -1,7 +1,7 @@
-"""Turn a ``--model-path`` into a loaded ``torch.nn.Module`` and a tokenizer.
+"""Turn a resolved model folder into a loaded ``torch.nn.Module``.
 
-Steps: ``resolve_model_path`` (None -> default GGUF; ``.gguf`` -> converted HF folder; HF
-folder -> itself), ``ModelConfig.from_path``, then ``get_model`` builds the class from
+Steps: ``sources.resolve_model_path`` (None -> default GGUF; ``.gguf`` -> converted HF folder;
+HF folder -> itself), ``ModelConfig.from_path``, then ``get_model`` builds the class from
 ``srt.models.registry`` and streams HF-named tensors into its ``load_weights``.
 No model hub is ever contacted. Under tensor parallelism every rank reads the full tensors
 and its layers' loaders keep the rank's part (mmap'd safetensors make the reads cheap).
@@ -21,13 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from srt.layers.weight_utils import full_shape, take_full
-from srt.model_loader.default_model import ModelNotFoundError, find_default_gguf
-from srt.model_loader.gguf_convert import convert_gguf
-from srt.model_loader.hf_cache import cached_snapshot, hub_cache_dir, looks_like_repo_id
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
     from srt.configs.model_config import ModelConfig
     from srt.distributed import TPGroup
 
@@ -37,39 +32,6 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 DUMMY_SEED = 1234
 DUMMY_LOW, DUMMY_HIGH = -1e-3, 1e-3
-
-
-def resolve_model_path(model_path: str | None, cache_dir: str | None = None) -> str:
-    """A local HF-format folder for ``model_path``: a folder, a GGUF file (converted once),
-    or a model id (`Org/Name`) already in the local Hugging Face cache (`hf_cache.py`)."""
-    if model_path is None:
-        return str(convert_gguf(find_default_gguf(), cache_dir))
-    path = Path(model_path).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return str(convert_gguf(path, cache_dir))
-    if path.is_dir() and (path / "config.json").is_file():
-        return str(path)
-    if path.is_dir():
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return str(convert_gguf(ggufs[0], cache_dir))
-        hint = f" It holds {len(ggufs)} .gguf files; pass one of them." if ggufs else ""
-        raise ModelNotFoundError(f"{path} is a folder without config.json.{hint}")
-    if looks_like_repo_id(model_path):
-        snapshot = cached_snapshot(model_path)
-        if snapshot is not None:
-            return str(snapshot)
-        raise ModelNotFoundError(
-            f"Model {model_path!r} is not in the local Hugging Face cache ({hub_cache_dir()}; "
-            "set HF_HOME or HF_HUB_CACHE to look elsewhere), and RadixRT never downloads from "
-            f"a model hub: run `huggingface-cli download {model_path}` first, or pass a folder."
-        )
-    raise ModelNotFoundError(
-        f"Model path {model_path!r} is neither a local HF folder (with config.json), a .gguf "
-        "file, nor a model id in the local Hugging Face cache. RadixRT never downloads from a "
-        "model hub: download the model first (e.g. `huggingface-cli download <repo> "
-        "--local-dir <dir>`) and pass the folder."
-    )
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
@@ -173,18 +135,3 @@ def get_model(
         time.perf_counter() - start,
     )
     return model
-
-
-def get_tokenizer(
-    path: str, tokenizer_path: str | None = None, cache_dir: str | None = None
-) -> PreTrainedTokenizerBase:
-    """The local tokenizer of ``tokenizer_path`` (a folder, a .gguf, or a model id in the
-    local Hugging Face cache) or else of ``path``."""
-    from transformers import AutoTokenizer
-
-    source = tokenizer_path or path
-    if source.endswith(".gguf") and Path(source).is_file():
-        source = str(convert_gguf(source, cache_dir))
-    elif looks_like_repo_id(source) and (snapshot := cached_snapshot(source)) is not None:
-        source = str(snapshot)
-    return AutoTokenizer.from_pretrained(source, local_files_only=True)

@@ -9,14 +9,19 @@ sampler.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-from srt.sampling.sampler import Sampler
 from srt.utils.registry import Registry, is_package_installed
+
+if TYPE_CHECKING:  # the HTTP server reads the names here without importing torch
+    from srt.sampling.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
 
 def _seeded_sampler(device: str) -> Sampler:
+    from srt.sampling.sampler import Sampler
+
     return Sampler()
 
 
@@ -27,7 +32,7 @@ def _flashinfer_sampler(device: str) -> Sampler:
         logger.info("Sampling with FlashInfer's top-k/top-p kernels (not seed-reproducible)")
         return FlashInferSampler()
     logger.warning("--sampling-backend flashinfer needs CUDA and flashinfer; using seeded")
-    return Sampler()
+    return _seeded_sampler(device)
 
 
 SAMPLERS: Registry[Sampler] = Registry("sampling backend")

@@ -23,7 +23,7 @@ from bench.datasets import (
 
 @pytest.fixture(scope="module")
 def tokenizer(default_model_path: str) -> Any:
-    from srt.model_loader.loader import get_tokenizer
+    from srt.model_loader.sources import get_tokenizer
 
     return get_tokenizer(default_model_path)
 

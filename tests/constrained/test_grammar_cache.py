@@ -116,7 +116,7 @@ def test_zero_size_disables_sharing_not_compiling() -> None:
 @pytest.fixture(scope="module")
 def tokenizer(default_model_path: str) -> Any:
     pytest.importorskip("xgrammar")
-    from srt.model_loader.loader import get_tokenizer
+    from srt.model_loader.sources import get_tokenizer
 
     return get_tokenizer(default_model_path)
 

@@ -352,7 +352,7 @@ def test_the_scheduler_reports_a_refused_grammar_with_its_own_message() -> None:
 @pytest.fixture(scope="module")
 def tokenizer(default_model_path: str) -> Any:
     pytest.importorskip("xgrammar")
-    from srt.model_loader.loader import get_tokenizer
+    from srt.model_loader.sources import get_tokenizer
 
     return get_tokenizer(default_model_path)
 

@@ -13,7 +13,7 @@ from tests.entrypoints.helpers import serve_openai_routes
 
 @pytest.fixture(scope="session")
 def session_tm(default_model_path: str) -> FakeTokenizerManager:
-    from srt.model_loader.loader import get_tokenizer
+    from srt.model_loader.sources import get_tokenizer
 
     return FakeTokenizerManager(get_tokenizer(default_model_path), default_model_path)
 

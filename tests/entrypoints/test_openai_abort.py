@@ -54,7 +54,7 @@ class PlainAbortTokenizerManager(FakeTokenizerManager):
 
 @pytest.fixture(scope="module")
 def plain_abort_url(default_model_path: str) -> Iterator[str]:
-    from srt.model_loader.loader import get_tokenizer
+    from srt.model_loader.sources import get_tokenizer
 
     tm = PlainAbortTokenizerManager(get_tokenizer(default_model_path), default_model_path)
     with serve_openai_routes(tm) as url:

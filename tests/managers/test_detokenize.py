@@ -18,7 +18,7 @@ LENGTH = finish_length(0)
 
 @pytest.fixture(scope="module")
 def tok(default_model_path: str) -> Any:
-    from srt.model_loader.loader import get_tokenizer
+    from srt.model_loader.sources import get_tokenizer
 
     return get_tokenizer(default_model_path)
 

@@ -16,7 +16,7 @@ from srt.kernels.linear import packed_linear_kernel
 from srt.layers import vocab_embedding
 from srt.layers.cpu_packed import prepack_cpu_weights
 from srt.layers.vocab_embedding import SCREEN_ROWS, LMHead
-from srt.sampling import SamplingBatchInfo
+from srt.sampling.sampling_batch_info import SamplingBatchInfo
 from srt.server_args import ServerArgs
 from tests.engine.tiny_models import VOCAB, save_tiny_model
 from tests.srt.test_sampling import req

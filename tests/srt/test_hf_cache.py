@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from srt.model_loader import ModelNotFoundError
-from srt.model_loader.loader import get_tokenizer, resolve_model_path
+from srt.model_loader.sources import get_tokenizer, resolve_model_path
 from tests.engine.tiny_models import save_tiny_model
 
 

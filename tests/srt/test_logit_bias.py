@@ -12,8 +12,9 @@ from pydantic import ValidationError
 from srt.entrypoints.http_errors import request_error_from_validation
 from srt.entrypoints.openai.protocol import SamplingRequest
 from srt.entrypoints.openai.serving_utils import sampling_params
-from srt.sampling import Sampler, SamplingBatchInfo, SamplingParams
-from srt.sampling.sampling_params import MAX_LOGIT_BIAS, InvalidSamplingParam
+from srt.sampling.sampler import Sampler
+from srt.sampling.sampling_batch_info import SamplingBatchInfo
+from srt.sampling.sampling_params import MAX_LOGIT_BIAS, InvalidSamplingParam, SamplingParams
 from tests.srt.test_sampling import FakeReq
 
 NEG_INF = float("-inf")

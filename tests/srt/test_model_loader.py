@@ -18,7 +18,7 @@ from torch import nn
 
 from srt.configs.model_config import ModelConfig
 from srt.environ import CACHE_DIR
-from srt.model_loader import default_model, gguf_convert, loader
+from srt.model_loader import default_model, gguf_convert, loader, sources
 from srt.model_loader.default_model import INSTALL_COMMAND, ModelNotFoundError
 
 
@@ -167,7 +167,7 @@ def test_converted_folder_loads_with_transformers(converted: Path) -> None:
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     assert config.architectures == ["LlamaForCausalLM"]
     assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (576, 30, 49152)
-    tok = loader.get_tokenizer(str(folder))
+    tok = sources.get_tokenizer(str(folder))
     assert tok.chat_template
     text = tok.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
@@ -206,24 +206,24 @@ def test_resolve_model_path_cases(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
         seen.append(Path(path).name)
         return tmp_path / "converted"
 
-    monkeypatch.setattr(loader, "convert_gguf", fake_convert)
-    monkeypatch.setattr(loader, "find_default_gguf", lambda: Path("/x/default.gguf"))
-    assert loader.resolve_model_path(None) == str(tmp_path / "converted")
+    monkeypatch.setattr(sources, "convert_gguf", fake_convert)
+    monkeypatch.setattr(sources, "find_default_gguf", lambda: Path("/x/default.gguf"))
+    assert sources.resolve_model_path(None) == str(tmp_path / "converted")
     gguf_file = tmp_path / "a.gguf"
     gguf_file.write_bytes(b"GGUF")
-    assert loader.resolve_model_path(str(gguf_file)) == str(tmp_path / "converted")
-    assert loader.resolve_model_path(str(tmp_path)) == str(tmp_path / "converted")
+    assert sources.resolve_model_path(str(gguf_file)) == str(tmp_path / "converted")
+    assert sources.resolve_model_path(str(tmp_path)) == str(tmp_path / "converted")
     assert seen == ["default.gguf", "a.gguf", "a.gguf"]
 
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text("{}")
-    assert loader.resolve_model_path(str(hf)) == str(hf)
+    assert sources.resolve_model_path(str(hf)) == str(hf)
     with pytest.raises(ModelNotFoundError, match="never downloads"):
-        loader.resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
+        sources.resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
     (tmp_path / "b.gguf").write_bytes(b"GGUF")
     with pytest.raises(ModelNotFoundError, match="2 .gguf files"):
-        loader.resolve_model_path(str(tmp_path))
+        sources.resolve_model_path(str(tmp_path))
 
 
 # ---------------------------------------------------------------- iterate_safetensors

@@ -9,14 +9,14 @@ from typing import Any
 import pytest
 import torch
 
-from srt.sampling import (
+from srt.sampling.sampler import (
     SampleOutput,
     Sampler,
-    SamplingBatchInfo,
-    SamplingParams,
     get_top_logprobs,
     top_k_top_p_min_p_filter,
 )
+from srt.sampling.sampling_batch_info import SamplingBatchInfo
+from srt.sampling.sampling_params import SamplingParams
 from srt.sampling.seeded_noise import seeded_uniform
 
 

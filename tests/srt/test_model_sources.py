@@ -1,0 +1,100 @@
+"""`sources.get_tokenizer` loads `TokenizersBackend` directly where `AutoTokenizer` would
+choose it (sparing `AutoTokenizer`'s import of torch and every model configuration), and the
+tokenizer it gives is the one `AutoTokenizer` gives; everywhere else it is `AutoTokenizer`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from srt.model_loader import sources
+
+TEXTS = [
+    "Hello, world!",
+    "  leading spaces and\ttabs\nnew lines  ",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "Ünïcödé, 中文, emoji 🚀 and <|endoftext|> in the middle",
+    "def f(x):\n    return x ** 2  # squares",
+]
+
+
+def assert_same_tokenizer(direct, auto) -> None:
+    assert type(direct) is type(auto)
+    assert len(direct) == len(auto) and direct.vocab_size == auto.vocab_size
+    assert direct.all_special_ids == auto.all_special_ids
+    assert (direct.bos_token_id, direct.eos_token_id, direct.pad_token_id) == (
+        auto.bos_token_id,
+        auto.eos_token_id,
+        auto.pad_token_id,
+    )
+    for text in TEXTS:
+        ids = auto.encode(text)
+        assert direct.encode(text) == ids
+        assert direct.encode(text, add_special_tokens=False) == auto.encode(
+            text, add_special_tokens=False
+        )
+        for skip in (True, False):
+            assert direct.decode(ids, skip_special_tokens=skip) == auto.decode(
+                ids, skip_special_tokens=skip
+            )
+        assert direct.convert_ids_to_tokens(ids) == auto.convert_ids_to_tokens(ids)
+    chat = [{"role": "user", "content": "Hi there"}]
+    assert direct.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True
+    ) == auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+
+
+def copy_with(folder: Path, dest: Path, config: dict, tokenizer_config: dict) -> Path:
+    dest.mkdir()
+    shutil.copy(folder / "tokenizer.json", dest / "tokenizer.json")
+    base = json.loads((folder / "tokenizer_config.json").read_text())
+    (dest / "tokenizer_config.json").write_text(json.dumps({**base, **tokenizer_config}))
+    base_config = json.loads((folder / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps({**base_config, **config}))
+    return dest
+
+
+def test_default_model_tokenizer_loads_directly_and_equals_autotokenizers(
+    default_model_path: str,
+) -> None:
+    folder = Path(default_model_path)
+    assert sources._tokenizers_backend_for(folder) is not None
+    assert_same_tokenizer(
+        sources.get_tokenizer(default_model_path),
+        AutoTokenizer.from_pretrained(default_model_path, local_files_only=True),
+    )
+
+
+def test_qwen3_folder_loads_directly_and_equals_autotokenizers(
+    default_model_path: str, tmp_path: Path
+) -> None:
+    folder = copy_with(Path(default_model_path), tmp_path / "qwen3", {"model_type": "qwen3"}, {})
+    assert sources._tokenizers_backend_for(folder) is not None
+    assert_same_tokenizer(
+        sources.get_tokenizer(str(folder)),
+        AutoTokenizer.from_pretrained(str(folder), local_files_only=True),
+    )
+
+
+@pytest.mark.parametrize(
+    ("config", "tokenizer_config"),
+    [
+        ({"model_type": "qwen2"}, {}),  # AutoTokenizer gives Qwen2Tokenizer
+        ({"model_type": "mistral"}, {}),  # transformers may choose mistral-common's backend
+        ({"model_type": "internlm2"}, {}),  # its declared class is overridden by transformers
+        ({}, {"tokenizer_class": "GPT2Tokenizer"}),  # a named class: AutoTokenizer resolves it
+        ({}, {"auto_map": {"AutoTokenizer": ["x.Tok", None]}}),  # the folder's own code
+    ],
+)
+def test_other_folders_go_through_autotokenizer(
+    default_model_path: str, tmp_path: Path, config: dict, tokenizer_config: dict
+) -> None:
+    folder = copy_with(Path(default_model_path), tmp_path / "m", config, tokenizer_config)
+    assert sources._tokenizers_backend_for(folder) is None
+    if "auto_map" not in tokenizer_config:  # loading the folder's own code is refused offline
+        got = sources.get_tokenizer(str(folder))
+        assert type(got) is type(AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
