@@ -12,43 +12,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
-from pathlib import Path
+
+from bench.ab import free_port
+from bench.serving_cpu import cpu_seconds, processes
 
 READY_TIMEOUT_S = 300.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cpu_seconds(pid: int) -> float:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
-                out.append(int(entry.name))
-    return out
 
 
 def healthy(url: str) -> bool:
@@ -79,8 +54,7 @@ def one_start(server_args: list[str]) -> dict[str, float]:
                 time.sleep(0.05)
             ready = time.perf_counter() - tic
             scheduler = scheduler_pid(url)
-            others = [p for p in children(proc.pid) if p != scheduler]
-            detokenizer = max(others, key=cpu_seconds)  # the other child is the resource tracker
+            [detokenizer] = [pid for pid in processes(proc) if pid not in (proc.pid, scheduler)]
             return {
                 "ready_s": ready,
                 "main_cpu_s": cpu_seconds(proc.pid),

@@ -184,7 +184,7 @@ class SchedulerServer:
             max_total_tokens=s.kv.total_tokens,
             max_running_requests=s.kv.max_rows,
             eos_token_ids=list(s.eos_token_ids),
-            device=str(s.worker.device).split(":")[0],
+            device=s.worker.device,
         )
 
     # ---- loop ----------------------------------------------------------------------

@@ -106,7 +106,8 @@ def convert_gguf(
         try:
             start = time.perf_counter()
             logger.info("Converting %s to an HF folder (one-time, %s)", path, dtype)
-            _write_hf_folder(path, tmp, _torch_dtype(dtype))
+            with _gguf_read_once():
+                _write_hf_folder(path, tmp, _torch_dtype(dtype))
             seconds = time.perf_counter() - start
             marker = dict(_fingerprint(path, dtype), seconds=round(seconds, 2))
             (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
@@ -172,11 +173,6 @@ def _gguf_read_once() -> Iterator[None]:
 
 
 def _write_hf_folder(gguf_path: Path, out: Path, dtype: torch.dtype) -> None:
-    with _gguf_read_once():
-        _convert(gguf_path, out, dtype)
-
-
-def _convert(gguf_path: Path, out: Path, dtype: torch.dtype) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
