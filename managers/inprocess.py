@@ -68,6 +68,8 @@ class InProcessDriver:
             rid = out.rid
             state = self.outputs.setdefault(rid, {"meta_info": {"id": rid}, "output_ids": []})
             state["output_ids"] = state["output_ids"] + out.new_token_ids
+            if out.embedding is not None:
+                state["embedding"] = out.embedding
             reason = state["_finish"] = out.finish_reason
             meta = state["meta_info"]
             meta.update(
@@ -133,6 +135,8 @@ class InProcessDriver:
         if "e2e_latency" not in meta and meta.get("finish_reason") is not None:
             meta["e2e_latency"] = time.perf_counter() - state["_t0"]
         out = {"output_ids": state["output_ids"], "meta_info": meta}
+        if "embedding" in state:
+            out["embedding"] = state["embedding"]
         if self.tokenizer is not None:
             params: SamplingParams = state["_params"]
             text = self.tokenizer.decode(

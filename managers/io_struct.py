@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 from operator import attrgetter
 from typing import Any, Literal, TypeVar
 
+from srt.configs.pooling import PoolingConfig
 from srt.sampling.sampling_params import SamplingParams
 
 
@@ -39,6 +40,15 @@ class GenerateReqInput:
     priority: int | None = None
     # Prefix-cache namespace (SGLang's extra_key / cache_salt): only equal keys share KV.
     extra_key: str | None = None
+    # An embedding server's request (`--is-embedding`): pool the prompt, generate nothing.
+    embed: EmbedOptions | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EmbedOptions:
+    """What an embedding request asks beyond its prompt."""
+
+    dimensions: int | None = None  # Matryoshka truncation (then normalized, if the model is)
 
 
 @dataclass
@@ -56,6 +66,7 @@ class TokenizedGenerateReqInput:
     bootstrap: tuple[str, int, int] | None = None
     timeout: float | None = None  # seconds from arrival in the scheduler to the finish
     priority: int = 0
+    embed: EmbedOptions | None = None
 
 
 @dataclass
@@ -172,6 +183,8 @@ class ReqOutput:
     decode_options: DecodeOptions
     # None when the request did not ask for logprobs.
     logprobs: LogprobDelta | None = None
+    # An embedding request's vector, in its finishing message only.
+    embedding: list[float] | None = None
 
 
 @dataclass
@@ -292,3 +305,4 @@ class SchedulerReady:
     max_running_requests: int
     eos_token_ids: list[int]
     device: str  # what `--device auto` resolved to, so the main process never imports torch
+    pooling: PoolingConfig | None = None  # an embedding server's (`--is-embedding`)

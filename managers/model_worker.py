@@ -30,6 +30,7 @@ import torch
 from managers.schedule_batch import GenerationBatchResult, ModelWorkerBatch, token_positions
 from managers.worker_results import InputLogprobs, LaunchedBatch, ResultChannel
 from srt.configs.model_config import ModelConfig
+from srt.configs.pooling import load_pooling_config
 from srt.distributed import TPGroup
 from srt.model_executor.forward_batch import ForwardBatch
 from srt.model_executor.model_runner import ModelRunner
@@ -67,6 +68,10 @@ class ModelWorker:
             device=server_args.resolved_device(),
         )
         self.model_runner = ModelRunner(self.model_config, server_args, self.tp)
+        # An embedding server pools hidden states instead of sampling (`launch_pooled`).
+        self.pooling = (
+            load_pooling_config(self.model_config.model_path) if server_args.is_embedding else None
+        )
         self.device = self.model_runner.device
         self.num_forwards = 0
         self.tp_sample_mismatches = 0  # ids this rank sampled unlike rank 0 (tp > 1 only)
@@ -102,6 +107,8 @@ class ModelWorker:
         if self.num_forwards == self.hang_at_forward:
             logger.warning("Test hook: forward %d hangs.", self.num_forwards)
             threading.Event().wait()  # forever
+        if self.pooling is not None:
+            return self.launch_pooled(mwb)
         forward_batch, staged = self.to_forward_batch(mwb, future)
         logits = self.model_runner.forward(forward_batch)
         sample_indices = staged.get("sample_indices")
@@ -133,6 +140,15 @@ class ModelWorker:
             launched.input_logprobs = self._input_logprobs(logits, mwb)
         launched.on_differ = self._count_mismatches
         return launched
+
+    def launch_pooled(self, mwb: ModelWorkerBatch) -> LaunchedBatch:
+        """An embedding server's forward: each request's pooling part comes back to the host
+        (`srt/layers/pooler.py`); nothing is sampled (its requests generate no token)."""
+        assert self.pooling is not None
+        forward_batch, _ = self.to_forward_batch(mwb)
+        parts = self.model_runner.forward_pooled(forward_batch, self.pooling.method)
+        no_ids = torch.zeros(len(mwb.seq_lens), dtype=torch.int64)
+        return LaunchedBatch(no_ids, None, pooled=parts.cpu())
 
     def to_forward_batch(
         self, mwb: ModelWorkerBatch, future: FutureSlots | None = None

@@ -12,7 +12,8 @@ Lifecycle (who moves a request where):
 Parts: `kv` (a `KVSpan`: its row and which positions the tree owns; only `KVManager` changes
 it), `admission` (an `Admission`: priority, time limit, arrival and admission times),
 `logprobs` (a `LogprobState`, only when logprobs were asked for), `disagg` (a
-`DisaggState`, only for a request of a prefill/decode pair), and the sampling state
+`DisaggState`, only for a request of a prefill/decode pair), `embed` (an `EmbedState`, only on
+an embedding server: such a request runs its prompt and generates nothing), and the sampling state
 (`sampling_params`, `sampling_seed`, `grammar`). The rest is the token history and where the
 request stands in the loop.
 """
@@ -22,7 +23,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from disagg.base import KVPoll
 from managers.io_struct import (
@@ -100,6 +101,17 @@ class Admission:
 
 
 @dataclass(slots=True)
+class EmbedState:
+    """An embedding request's pooling: its options, the parts combined so far
+    (`srt/layers/pooler.py`), and the finished vector."""
+
+    dimensions: int | None
+    every_token: bool  # mean / CLS pooling: the prompt is computed whole, no cached prefix
+    acc: Any = None  # a float32 tensor once the first chunk ran
+    vector: list[float] | None = None
+
+
+@dataclass(slots=True)
 class DisaggState:
     """A request of a prefill/decode pair: where its peer is, and how far its KV got."""
 
@@ -128,6 +140,7 @@ class Req:
         bootstrap: tuple[str, int, int] | None = None,
         priority: int = 0,
         timeout: float | None = None,
+        embed: EmbedState | None = None,
     ) -> None:
         self.rid = rid
         self.origin_input_ids = origin_input_ids
@@ -148,6 +161,7 @@ class Req:
             else None
         )
         self.disagg = DisaggState(bootstrap) if bootstrap is not None else None
+        self.embed = embed
         # The next extend: tokens up to `fill_ids` are computed, from the matched prefix on.
         self.fill_ids: list[int] = []
         self.is_chunked = False  # a chunk of the prompt is done, more chunks remain
@@ -239,6 +253,8 @@ class Req:
             # Prompt logprobs need logits from position logprob_start_len - 1 on.
             assert self.logprobs is not None
             max_prefix = min(max_prefix, max(self.logprobs.start_len - 1, 0))
+        if self.embed is not None and self.embed.every_token:
+            max_prefix = 0  # its vector reads every position's hidden state
         self.kv.set_match(kv.match_prefix(self.fill_ids[:max_prefix], self.extra_key))
 
     def set_chunk(self, chunk_len: int) -> None:

@@ -54,6 +54,7 @@ class ReqState:
         self.logprobs: dict[str, list[Any]] | None = (
             {f: [] for f in LOGPROB_FIELDS} if return_logprob else None
         )
+        self.embedding: list[float] | None = None  # an embedding request's, once finished
         self.finish_reason: FinishReason | None = None
         self.finished = False
         self.queued = False
@@ -70,6 +71,8 @@ class ReqState:
         if self.logprobs is not None and out.logprobs is not None:
             text = token_text if self.return_text_in_logprobs else _no_text
             _extend_logprobs(self.logprobs, out.logprobs, text)
+        if out.embedding is not None:
+            self.embedding = out.embedding
         if out.finish_reason is not None:
             self.finish(out.finish_reason)
 
@@ -92,6 +95,8 @@ class ReqState:
         meta = dict(self.meta)
         if self.logprobs is not None:
             meta.update({k: list(v) for k, v in self.logprobs.items()})
+        if self.embedding is not None:
+            return {"index": self.index, "embedding": self.embedding, "meta_info": meta}
         return {
             "index": self.index,
             "text": self.text,

@@ -98,6 +98,8 @@ class GenerationBatchResult:
     # Prompt logprobs per request (None where not asked): values for that forward's targets.
     input_token_logprobs: list[list[float] | None] | None = None
     input_top_logprobs: list[list[list[tuple[float, int]]] | None] | None = None
+    # An embedding server's pooling parts, one row per request (on the host).
+    pooled: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

@@ -185,6 +185,7 @@ class SchedulerServer:
             max_running_requests=s.kv.max_rows,
             eos_token_ids=list(s.eos_token_ids),
             device=s.worker.device,
+            pooling=s.output.pooling,
         )
 
     # ---- loop ----------------------------------------------------------------------

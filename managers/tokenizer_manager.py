@@ -94,6 +94,7 @@ class TokenizerManager:
         self.vocab_size = ready.vocab_size
         self.max_total_tokens = ready.max_total_tokens
         self.max_running_requests = ready.max_running_requests
+        self.pooling = ready.pooling  # an embedding server's (`--is-embedding`), else None
         self.tokenizer: Any = tokenizer
         if tokenizer is None and not server_args.skip_tokenizer_init:
             from srt.model_loader.sources import get_tokenizer
@@ -194,6 +195,10 @@ class TokenizerManager:
         """
         self.check_alive()
         check_admission_fields(obj, self.server_args)
+        if obj.embed is not None and self.pooling is not None:
+            error = self.pooling.check_dimensions(obj.embed.dimensions)
+            if error is not None:
+                raise RequestError(error, param="dimensions")
         self.check_capacity()
         self.ensure_started()
         loop = asyncio.get_running_loop()
@@ -215,6 +220,7 @@ class TokenizerManager:
             timeout=obj.timeout,
             priority=obj.priority or 0,
             extra_key=obj.extra_key,
+            embed=obj.embed,
         )
         samples = msgs if params.n == 1 else msgs[1:]
         ready: asyncio.Queue[ReqState] = asyncio.Queue()

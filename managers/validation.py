@@ -181,9 +181,22 @@ def load_chat_template(spec: str | None) -> str | None:
     )
 
 
+def embedding_mismatch(embedding_server: bool) -> str:
+    """The refusal of a generation request on an embedding server, or the reverse."""
+    if embedding_server:
+        return (
+            "This server serves embeddings (--is-embedding): use /v1/embeddings or /encode; "
+            "it generates no text."
+        )
+    return "This server generates text: start it with --is-embedding to serve embeddings."
+
+
 def check_admission_fields(obj: GenerateReqInput, server_args: ServerArgs) -> None:
-    """`timeout` is a number of seconds > 0; `priority` an integer, and other than 0 only on a
-    server that schedules by it (a field that would change nothing is refused)."""
+    """The request suits the server's mode (generation or `--is-embedding`); `timeout` is a
+    number of seconds > 0; `priority` an integer, and other than 0 only on a server that
+    schedules by it (a field that would change nothing is refused)."""
+    if (obj.embed is not None) != server_args.is_embedding:
+        raise RequestError(embedding_mismatch(server_args.is_embedding))
     timeout = obj.timeout
     if timeout is not None and (
         isinstance(timeout, bool)

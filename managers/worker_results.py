@@ -38,6 +38,7 @@ class LaunchedBatch:
     differ: torch.Tensor | None = None  # tensor parallelism: ids this rank sampled unlike rank 0
     top_logprobs: list[list[tuple[float, int]]] | None = None
     input_logprobs: InputLogprobs | None = None
+    pooled: torch.Tensor | None = None  # host: an embedding server's pooling parts [N, hidden]
     on_differ: Callable[[int, int], None] | None = field(default=None, repr=False)
 
     def resolve(self) -> GenerationBatchResult:
@@ -47,6 +48,7 @@ class LaunchedBatch:
         if self.logprobs is not None:
             result.next_token_logprobs = self.logprobs.tolist()
             result.next_top_logprobs = self.top_logprobs
+        result.pooled = self.pooled
         if self.input_logprobs is not None:
             result.input_token_logprobs, result.input_top_logprobs = self.input_logprobs
         if self.differ is not None and self.on_differ is not None:

@@ -96,6 +96,11 @@ class ServerArgs:
         _registry_names("srt.reasoning_parser:REASONING_PARSERS"),
     )
     skip_tokenizer_init: bool = _opt(False, "no tokenizer: requests carry input_ids only")
+    is_embedding: bool = _opt(
+        False,
+        "serve embeddings (/v1/embeddings, /encode) instead of generating; pooling as the "
+        "model folder's sentence-transformers files say",
+    )
     load_format: str = _opt("auto", "weight format", ["auto", "safetensors", "dummy"])
     dtype: str = _opt("auto", "model and KV dtype", ["auto", "float32", "bfloat16", "float16"])
     context_length: int | None = _opt(None, "override the model's context length")
@@ -278,6 +283,8 @@ class ServerArgs:
         if not self.watchdog_timeout > 0:
             raise ValueError(f"watchdog_timeout must be > 0 s, got {self.watchdog_timeout}")
         self._check_parallelism()
+        if self.is_embedding and self.disaggregation_mode != "null":
+            raise ValueError("--is-embedding runs no decode: it cannot be one side of a PD pair")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size <= 0:
             self.chunked_prefill_size = -1
         if self.kv_events_config is not None:
@@ -344,6 +351,8 @@ class ServerArgs:
         is synchronous and its threads take every core, so the overlap loop's scheduler thread
         can only take cycles from them. Measured by `python -m bench.ab --preset overlap
         --server-args "--dtype float32"` with W2's arguments (see `bench/ab.py`)."""
+        if self.is_embedding:
+            return False  # a prefill-only server: there is no next decode to overlap with
         if self.disable_overlap_schedule is None:
             return self.resolved_device() != "cpu"
         return not self.disable_overlap_schedule

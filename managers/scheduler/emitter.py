@@ -44,6 +44,7 @@ class Emitter:
                     req.cached_tokens or 0,
                     req.decode_options(),
                     logprobs.take_delta() if logprobs is not None else None,
+                    req.embed.vector if req.embed is not None else None,
                 )
             )
             req.sent_output_len = len(out)

@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any
 from constrained.base_grammar_backend import grammar_key
 from managers.errors import RequestError
 from managers.io_struct import AbortReq, FinishReason, TokenizedGenerateReqInput, finish_abort
-from managers.req import Req
+from managers.req import EmbedState, Req
 from managers.scheduler.grammar_queue import GrammarQueue
 from managers.scheduler.policy import urgency
-from managers.validation import check_prompt
+from managers.validation import check_prompt, embedding_mismatch
 
 if TYPE_CHECKING:
     from constrained.base_grammar_backend import BaseGrammarBackend
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from managers.scheduler.emitter import Emitter
     from managers.scheduler.queues import Queues
     from mem_cache.kv_manager import KVManager
+    from srt.configs.pooling import PoolingConfig
     from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -64,8 +65,11 @@ class Intake:
         model_config: Any,
         grammar_backend: BaseGrammarBackend | None,
         deadlines: Deadlines,
+        pooling: PoolingConfig | None = None,
     ) -> None:
+        """`pooling`: an embedding server's (`--is-embedding`), else None."""
         self.queues = queues
+        self.pooling = pooling
         self.kv = kv
         self.emitter = emitter
         self.context_len: int = model_config.context_len
@@ -92,6 +96,12 @@ class Intake:
         """Whether requests wait here (for a grammar or a disaggregation peer)."""
         return bool(self.grammar_queue) or bool(self.disagg)
 
+    def _embed_state(self, msg: TokenizedGenerateReqInput) -> EmbedState | None:
+        if msg.embed is None:
+            return None
+        every_token = self.pooling is not None and self.pooling.every_token()
+        return EmbedState(msg.embed.dimensions, every_token)
+
     def add(self, msg: TokenizedGenerateReqInput) -> None:
         params = msg.sampling_params
         seed = params.seed if params.seed is not None else self.seed_rng.getrandbits(63)
@@ -109,6 +119,7 @@ class Intake:
             bootstrap=msg.bootstrap if self.disaggregation_mode != "null" else None,
             priority=msg.priority,
             timeout=msg.timeout,
+            embed=self._embed_state(msg),
         )
         error = self._refusal(req)
         if error is not None:
@@ -141,6 +152,9 @@ class Intake:
                 f"The input ({n} tokens) can never fit in the KV cache pool "
                 f"({self.kv.total_tokens} tokens)."
             )
+        if (req.embed is None) != (self.pooling is None):
+            # The main process checks this first; a router or another client may not.
+            return embedding_mismatch(self.pooling is not None)
         has_grammar = grammar_key(req.sampling_params) is not None
         if req.disagg is not None and (
             has_grammar or req.sampling_params.n != 1 or req.logprobs is not None

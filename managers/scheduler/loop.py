@@ -120,12 +120,15 @@ class Scheduler:
         self.deadlines = Deadlines(server_args.waiting_timeout, server_args.running_timeout, clock)
         port = Port(self.queues, self.kv, self.emitter, self.deadlines)
         self.disagg = create_disagg(server_args, port, worker)
+        # An embedding server's pooling (`--is-embedding`; None when generating).
+        pooling = getattr(worker, "pooling", None)
         self.output = Output(
             self.queues,
             self.kv,
             self.emitter,
             self.disagg.take_finished,
             server_args.decode_log_interval,
+            pooling,
         )
         self.prefill = PrefillPlanner(
             self.queues, self.kv, self.decode, self.output, server_args, self.deadlines
@@ -139,6 +142,7 @@ class Scheduler:
             cfg,
             self.grammar_backend,
             self.deadlines,
+            pooling,
         )
         # The overlap loop: the launched batch whose result is not processed yet.
         self.overlap = server_args.overlap_schedule()

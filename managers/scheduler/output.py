@@ -13,6 +13,7 @@ import time
 from typing import TYPE_CHECKING
 
 from managers.io_struct import finish_abort, finish_length, finish_matched
+from srt.layers.pooler import add_part, finish_vector
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from managers.scheduler.emitter import Emitter
     from managers.scheduler.queues import Queues
     from mem_cache.kv_manager import KVManager
+    from srt.configs.pooling import PoolingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +69,12 @@ class Output:
         emitter: Emitter,
         take_finished: Callable[[Req], bool],
         decode_log_interval: int,
+        pooling: PoolingConfig | None = None,
     ) -> None:
         """`take_finished(req)`: True where the disaggregation side keeps a finished request
-        (a PD prefill request until its KV reached the decode server)."""
+        (a PD prefill request until its KV reached the decode server). `pooling`: an
+        embedding server's, whose forwards return pooling parts instead of samples."""
+        self.pooling = pooling
         self.queues = queues
         self.kv = kv
         self.emitter = emitter
@@ -93,6 +98,8 @@ class Output:
                 continue  # retracted after launch: this sample is dropped, resume redoes it
             if extend:
                 self._apply_input_logprobs(req, result, i, batch.prefix_lens[i])
+                if req.embed is not None:
+                    self._add_pooling_part(req, result, i, batch.prefix_lens[i])
             if req.finished():
                 continue  # finished by an earlier result (overlap: this sample is extra)
             if req.to_abort is not None and batch.chunked[i]:
@@ -123,10 +130,18 @@ class Output:
                 self.log_decode_stats()
         self.emitter.emit(emit)
 
+    def _add_pooling_part(
+        self, req: Req, result: GenerationBatchResult, i: int, prefix_len: int
+    ) -> None:
+        assert req.embed is not None and self.pooling is not None and result.pooled is not None
+        req.embed.acc = add_part(self.pooling.method, req.embed.acc, result.pooled[i], prefix_len)
+
     def _append_token(self, req: Req, result: GenerationBatchResult, i: int) -> None:
         """Append the sampled token (none for a prefill-only request), then check stops."""
         if req.sampling_params.max_new_tokens == 0:
             req.finished_reason = finish_length(0)
+            if req.embed is not None:
+                self._finish_embedding(req)
             return
         token = result.next_token_ids[i]
         req.output_ids.append(token)
@@ -135,6 +150,17 @@ class Output:
             req.logprobs.add_output(result.next_token_logprobs[i], token, top)
         if req.grammar is None or self._advance_grammar(req, token):
             self.emitter.check_finished(req)
+
+    def _finish_embedding(self, req: Req) -> None:
+        assert req.embed is not None and self.pooling is not None
+        pooling = self.pooling
+        req.embed.vector = finish_vector(
+            pooling.method,
+            req.embed.acc,
+            len(req.origin_input_ids),
+            req.embed.dimensions,
+            pooling.normalize,
+        )
 
     def _advance_grammar(self, req: Req, token: int) -> bool:
         """Accept `token` into the request's matcher; finish the request when the grammar is

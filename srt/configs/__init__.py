@@ -1,8 +1,2 @@
-"""Model configuration and dtype resolution."""
-
-from __future__ import annotations
-
-from srt.configs.dtype import resolve_dtype
-from srt.configs.model_config import ModelConfig
-
-__all__ = ["ModelConfig", "resolve_dtype"]
+"""Model configuration (`model_config`), dtype resolution (`dtype`) and an embedding server's
+pooling (`pooling`, no torch: the main process reads it)."""

@@ -24,7 +24,7 @@ from typing import Any
 
 from managers.server_status import combined_memory_integrity
 from managers.tokenizer_manager import TokenizerManager
-from srt.entrypoints.native_protocol import generate_all, parse_generate, stream_all
+from srt.entrypoints.native_protocol import generate_all, parse_encode, parse_generate, stream_all
 from srt.entrypoints.subprocesses import ChildProcesses
 from srt.server_args import ServerArgs
 
@@ -111,6 +111,19 @@ class Engine:
             generate_all(self.tokenizer_manager, objs, is_batch), self._background_loop()
         )
         return await asyncio.wrap_future(fut)
+
+    def encode(
+        self,
+        prompt: str | list[str] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        *,
+        dimensions: int | None = None,
+    ) -> Any:
+        """An embedding server's (`is_embedding=True`) vectors: one prompt -> one
+        `{"embedding", "meta_info"}` dict; a list of prompts -> a list."""
+        body = {"text": prompt, "input_ids": input_ids, "dimensions": dimensions}
+        objs, is_batch = parse_encode(body, self.server_args.max_batch_size)
+        return self._run(generate_all(self.tokenizer_manager, objs, is_batch))
 
     def flush_cache(self) -> bool:
         return self._run(self.tokenizer_manager.flush_cache()).success

@@ -1,6 +1,7 @@
 """What `/generate` does with every field SGLang's clients send: the top level of a body
 (`GENERATE_FIELDS`, after SGLang's `GenerateReqInput`) and each `sampling_params` dict
-(`SAMPLING_FIELDS`, after SGLang's `SamplingParams`).
+(`SAMPLING_FIELDS`, after SGLang's `SamplingParams`); and `/encode`'s (`ENCODE_FIELDS`, after
+SGLang's `EmbeddingReqInput`).
 
 Each field is honoured, a no-op (accepted, type-checked, dropped: it cannot change the output
 here) or refused with a reason, as on the OpenAI routes (`openai/fields.py`); anything else is
@@ -88,7 +89,10 @@ GENERATE_FIELDS: FieldTable = {
     "multi_item_delimiter_indices": refused(
         "not supported: no multi-item scoring", origin="sglang"
     ),
-    "token_indices_to_pool": refused("not supported: no pooling (embeddings)", origin="sglang"),
+    "token_indices_to_pool": refused(
+        "not supported: an embedding server pools as its model's configuration says",
+        origin="sglang",
+    ),
     "data_parallel_rank": refused("not supported: no data parallelism", origin="sglang"),
     "routed_dp_rank": refused("not supported: no data parallelism", origin="sglang"),
     "disagg_prefill_dp_rank": refused("not supported: no data parallelism", origin="sglang"),
@@ -115,6 +119,49 @@ GENERATE_FIELDS: FieldTable = {
         name: refused(_INTERNAL, origin="sglang")
         for name in ("http_worker_ipc", "received_time", "num_items_assigned")
     },
+}
+
+# `/encode` (an embedding server, `--is-embedding`), after SGLang's `EmbeddingReqInput`:
+# where a field means what it means on `/generate`, the rule is the same one.
+ENCODE_FIELDS: FieldTable = {
+    **{
+        name: GENERATE_FIELDS[name]
+        for name in (
+            "text",
+            "input_ids",
+            "rid",
+            "priority",
+            "log_metrics",
+            "routing_key",
+            "external_trace_header",
+            "input_embeds",
+            "image_data",
+            "video_data",
+            "audio_data",
+            "modalities",
+            "lora_path",
+            "lora_id",
+            "positional_embed_overrides",
+            "background",
+            "return_prompt_token_ids",
+            "multi_item_delimiter_indices",
+            "token_indices_to_pool",
+            "http_worker_ipc",
+            "received_time",
+        )
+    },
+    "dimensions": honoured("Matryoshka truncation, where the model was trained for it", "sglang"),
+    # SGLang's clients send `{"max_new_tokens": 0}` or nothing: an embedding generates nothing.
+    "sampling_params": refused(
+        "an embedding request generates nothing; only {} or max_new_tokens 0 are accepted",
+        lambda value, body: value is None or value in ({}, {"max_new_tokens": 0}),
+        "sglang",
+    ),
+    "return_pooled_hidden_states": _refused_unless(False, "the pooled vector is the output"),
+    "is_cross_encoder_request": _refused_unless(False, "no cross-encoder (rerank) models"),
+    "embed_override_token_id": refused("not supported: no embedding overrides", origin="sglang"),
+    "embed_overrides": refused("not supported: no embedding overrides", origin="sglang"),
+    "decision_layout": refused("not supported: no decision layouts", origin="sglang"),
 }
 
 # Keys of a `sampling_params` dict: our dataclass's fields (so a field added there is

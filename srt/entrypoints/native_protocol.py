@@ -1,5 +1,5 @@
-"""SGLang's native `/generate` request and response shapes, shared by the HTTP route and
-the offline `Engine`.
+"""SGLang's native `/generate` and `/encode` request and response shapes, shared by the HTTP
+routes and the offline `Engine`.
 
 A body carries `text` or `input_ids`, each a single prompt or a batch, with
 `sampling_params` (one dict for all prompts, or one per prompt), `rid` (str or list),
@@ -19,9 +19,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from managers.errors import RequestError
-from managers.io_struct import GenerateReqInput
+from managers.io_struct import EmbedOptions, GenerateReqInput
 from managers.validation import check_batch_size
-from srt.entrypoints.native_fields import GENERATE_FIELDS, SAMPLING_FIELDS
+from srt.entrypoints.native_fields import ENCODE_FIELDS, GENERATE_FIELDS, SAMPLING_FIELDS
 from srt.entrypoints.openai.fields import screen
 
 
@@ -32,24 +32,8 @@ def parse_generate(body: Any, max_batch_size: int) -> tuple[list[GenerateReqInpu
     if not isinstance(body, dict):
         raise RequestError("The request body must be a JSON object.")
     body = screen(GENERATE_FIELDS, {}, body, nested=False)
-    text, input_ids = body.get("text"), body.get("input_ids")
-    if text is None and input_ids is None:
-        raise RequestError("Give `text` or `input_ids`.", param="text")
-    if text is not None and input_ids is not None:
-        raise RequestError("Give only one of `text` and `input_ids`.", param="text")
-    if text is not None:
-        is_batch = isinstance(text, list)
-        prompts = [("text", t) for t in (text if is_batch else [text])]
-    else:
-        if not isinstance(input_ids, list):
-            raise RequestError("`input_ids` must be a list of integers.", param="input_ids")
-        is_batch = bool(input_ids) and all(isinstance(x, list) for x in input_ids)
-        prompts = [("input_ids", ids) for ids in (input_ids if is_batch else [input_ids])]
-    if is_batch and not prompts:
-        raise RequestError("The batch is empty.", param="text")
+    prompts, is_batch = _prompts(body, max_batch_size)
     prompt_field = prompts[0][0]
-    # Counted once before building the prompts' objects (n >= 1), once after with each n.
-    check_batch_size(len(prompts), len(prompts), max_batch_size, prompt_field)
     params = [
         _sampling_params(p)
         for p in _per_prompt(body.get("sampling_params"), len(prompts), "sampling_params", dict)
@@ -90,6 +74,57 @@ def parse_generate(body: Any, max_batch_size: int) -> tuple[list[GenerateReqInpu
     sequences = sum(num_samples(obj) for obj in objs)
     check_batch_size(len(objs), sequences, max_batch_size, prompt_field)
     return objs, is_batch
+
+
+def parse_encode(body: Any, max_batch_size: int) -> tuple[list[GenerateReqInput], bool]:
+    """`/encode` (an embedding server): one embedding request per prompt, as
+    `parse_generate` splits them; `dimensions` applies to all of them."""
+    if not isinstance(body, dict):
+        raise RequestError("The request body must be a JSON object.")
+    body = screen(ENCODE_FIELDS, {}, body, nested=False)
+    prompts, is_batch = _prompts(body, max_batch_size)
+    rids = _per_prompt(body.get("rid"), len(prompts), "rid", str)
+    dimensions = body.get("dimensions")
+    if dimensions is not None and (
+        not isinstance(dimensions, int) or isinstance(dimensions, bool) or dimensions < 1
+    ):
+        raise RequestError("`dimensions` must be an integer >= 1.", param="dimensions")
+    embed = EmbedOptions(dimensions)
+    objs = [
+        GenerateReqInput(
+            **{field: prompt},
+            sampling_params={"max_new_tokens": 0},
+            rid=rids[i],
+            priority=body.get("priority"),
+            embed=embed,
+        )
+        for i, (field, prompt) in enumerate(prompts)
+    ]
+    return objs, is_batch
+
+
+def _prompts(body: dict[str, Any], max_batch_size: int) -> tuple[list[tuple[str, Any]], bool]:
+    """The body's prompts as ("text" | "input_ids", prompt) pairs, and whether it was a
+    batch; a batch larger than `max_batch_size` is refused."""
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if text is None and input_ids is None:
+        raise RequestError("Give `text` or `input_ids`.", param="text")
+    if text is not None and input_ids is not None:
+        raise RequestError("Give only one of `text` and `input_ids`.", param="text")
+    if text is not None:
+        is_batch = isinstance(text, list)
+        prompts = [("text", t) for t in (text if is_batch else [text])]
+    else:
+        if not isinstance(input_ids, list):
+            raise RequestError("`input_ids` must be a list of integers.", param="input_ids")
+        is_batch = bool(input_ids) and all(isinstance(x, list) for x in input_ids)
+        prompts = [("input_ids", ids) for ids in (input_ids if is_batch else [input_ids])]
+    if is_batch and not prompts:
+        raise RequestError("The batch is empty.", param="text")
+    # Counted here before building the prompts' objects (n >= 1), and by the caller after,
+    # with each prompt's n.
+    check_batch_size(len(prompts), len(prompts), max_batch_size, prompts[0][0])
+    return prompts, is_batch
 
 
 def _sampling_params(params: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -1,5 +1,5 @@
-"""SGLang's native API: `/generate`, `/abort_request`, `/flush_cache` (the tokenizer routes
-are in `tokenize_routes.py`).
+"""SGLang's native API: `/generate`, `/encode` (an embedding server), `/abort_request`,
+`/flush_cache` (the tokenizer routes are in `tokenize_routes.py`).
 
 Handlers reach the `TokenizerManager` and `ServerArgs` through `app_state` dependencies.
 """
@@ -15,7 +15,12 @@ from fastapi import APIRouter, Request, Response
 from managers.errors import RequestError
 from srt.entrypoints.app_state import ServerArgsDep, TokenizerManagerDep
 from srt.entrypoints.http_errors import json_response, read_json_body, sse_error_event
-from srt.entrypoints.native_protocol import generate_all, parse_generate, stream_all
+from srt.entrypoints.native_protocol import (
+    generate_all,
+    parse_encode,
+    parse_generate,
+    stream_all,
+)
 from srt.entrypoints.sse import NATIVE_KEEPALIVE, SSE_DONE, sse_event, start_sse
 
 router = APIRouter()
@@ -55,6 +60,15 @@ async def generate(
     # long-queued stream gets blank lines, which SGLang's clients skip (sse.py).
     events = sse_stream(stream_all(tm, objs, is_batch, request))
     return await start_sse(events, NATIVE_KEEPALIVE)
+
+
+@router.post("/encode")
+async def encode(request: Request, tm: TokenizerManagerDep, server_args: ServerArgsDep) -> Response:
+    """SGLang's native embedding request: `{"embedding": [...], "meta_info": {...}}`, a list
+    for a batch."""
+    body = await read_json_body(request)
+    objs, is_batch = parse_encode(body, server_args.max_batch_size)
+    return json_response(await generate_all(tm, objs, is_batch, request))
 
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])

@@ -39,6 +39,7 @@ from srt.configs.model_config import ModelConfig
 from srt.distributed import TPGroup, head_layout
 from srt.layers.cpu_packed import prepack_cpu_weights
 from srt.layers.fused_kernels import enable_cpu_ops
+from srt.layers.pooler import pool_parts, pooled_rows
 from srt.model_executor.cpu_decode_layer_runner import enable_fused_decode
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner
 from srt.model_executor.forward_batch import ForwardBatch
@@ -104,7 +105,9 @@ class ModelRunner:
         self.server_args = server_args
         self.device = server_args.resolved_device()
         torch.manual_seed(server_args.random_seed)
-        self.model = get_model(model_config, server_args.load_format, self.device, self.tp)
+        self.model = get_model(
+            model_config, server_args.load_format, self.device, self.tp, server_args.is_embedding
+        )
         if self.device == "cpu" and not server_args.disable_cpu_weight_prepack:
             prepack_cpu_weights(self.model)  # before the KV pool takes its share of free RAM
         if self.device == "cpu" and not server_args.disable_cpu_fused_ops:
@@ -253,6 +256,7 @@ class ModelRunner:
     def _graphs_possible(self) -> bool:
         return (
             not self.server_args.disable_cuda_graph
+            and not self.server_args.is_embedding  # graphs are for decode, which it never runs
             and self.attn_backend.supports_cuda_graph
             and self.tp.size == 1
         )
@@ -265,7 +269,7 @@ class ModelRunner:
 
     def init_cuda_graphs(self, graph_inputs: GraphInputs | None) -> CudaGraphRunner | None:
         args = self.server_args
-        if not self.device.startswith("cuda") or args.disable_cuda_graph:
+        if not self.device.startswith("cuda") or args.disable_cuda_graph or args.is_embedding:
             return None
         if not self.attn_backend.supports_cuda_graph:
             logger.info("Decode CUDA graphs off: %s cannot be captured", self.attn_backend_name)
@@ -292,14 +296,29 @@ class ModelRunner:
         graphs = self.cuda_graph_runner
         return None if graphs is None else graphs.bucket(bs)
 
-    @torch.inference_mode()
-    def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        """Logits, float32, at `forward_batch.logits_indices`."""
+    def _bind(self, forward_batch: ForwardBatch) -> None:
         forward_batch.req_to_token_pool = self.req_to_token_pool
         forward_batch.token_to_kv_pool = self.token_to_kv_pool
         forward_batch.attn_backend = self.attn_backend
+
+    @torch.inference_mode()
+    def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Logits, float32, at `forward_batch.logits_indices`."""
+        self._bind(forward_batch)
         graphs = self.cuda_graph_runner
         if graphs is not None and graphs.can_run(forward_batch):
             return graphs.replay(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+    @torch.inference_mode()
+    def forward_pooled(self, forward_batch: ForwardBatch, method: str) -> torch.Tensor:
+        """An embedding server's extend: each request's pooling part, float32 [N, hidden]
+        (`srt/layers/pooler.py`)."""
+        self._bind(forward_batch)
+        self.attn_backend.init_forward_metadata(forward_batch)
+        keep = pooled_rows(method, forward_batch)
+        hidden = self.model.hidden_states(
+            forward_batch.input_ids, forward_batch.positions, forward_batch, keep
+        )
+        return pool_parts(method, hidden, forward_batch)

@@ -99,12 +99,14 @@ def get_model(
     load_format: str = "auto",
     device: str = "cpu",
     tp: TPGroup | None = None,
+    embedding: bool = False,
 ) -> torch.nn.Module:
     """Build ``model_config``'s architecture in its dtype on ``device`` and load weights.
 
     ``auto`` / ``safetensors`` read the folder's safetensors; ``dummy`` fills random values
     so benchmarks can run any config.json without weights. ``tp`` (None: one device) builds
-    this rank's shard of the model.
+    this rank's shard of the model. ``embedding``: the model only pools hidden states, so
+    its checkpoint may lack the LM head.
     """
     from srt.models.registry import get_model_class
 
@@ -119,7 +121,11 @@ def get_model(
     if load_format == "dummy":
         init_dummy_weights(model)
     else:
-        model.load_weights(iterate_safetensors(model_config.model_path))
+        weights = iterate_safetensors(model_config.model_path)
+        if embedding:
+            model.load_weights(weights, need_lm_head=False)
+        else:
+            model.load_weights(weights)
     model.eval()
     model.requires_grad_(False)
     num_params = sum(p.numel() for p in model.parameters())

@@ -296,13 +296,32 @@ class LlamaForCausalLM(nn.Module):
             hidden_states, self.lm_head, forward_batch, rows_selected=keep is not None
         )
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors; q/k/v and gate/up go into their merged parameters."""
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch: ForwardBatch,
+        keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states (after the last norm) of the new tokens, or of rows `keep`
+        only: what an embedding server pools. Replicated on every tensor-parallel rank."""
+        return self.model(input_ids, positions, forward_batch, keep)
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], need_lm_head: bool = True
+    ) -> None:
+        """Load HF-named tensors; q/k/v and gate/up go into their merged parameters.
+
+        A bare base model's names (`layers.0...`, as sentence-transformers saves embedding
+        models) load as `model.layers.0...`; such a checkpoint has no LM head, which only
+        an embedding server (`need_lm_head=False`) may lack."""
         params = dict(self.named_parameters())
         loaded: dict[str, set[str | int | None]] = {}
         for name, tensor in weights:
             if name.endswith(SKIPPED_WEIGHT_SUFFIXES):
                 continue
+            if not name.startswith(("model.", "lm_head.")):
+                name = "model." + name
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # shared with the embedding, which the checkpoint also holds
             shard_id: str | int | None = None
@@ -321,6 +340,8 @@ class LlamaForCausalLM(nn.Module):
                 loader(param, tensor, shard_id)
             loaded.setdefault(name, set()).add(shard_id)
         missing = [name for name in params if name not in loaded]
+        if not need_lm_head:
+            missing = [name for name in missing if not name.startswith("lm_head.")]
         for name, shards in loaded.items():
             if None not in shards:  # loaded shard by shard: every shard must be there
                 needed = {s for merged, _, s in STACKED_PARAMS if merged in name}

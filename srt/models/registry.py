@@ -6,12 +6,18 @@ import importlib
 
 from torch import nn
 
-# architecture name -> (module, class)
+# architecture name -> (module, class). A bare base model (`Qwen3Model`: how
+# sentence-transformers saves an embedding model) has no LM head; only an embedding server
+# (`--is-embedding`) loads one.
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("srt.models.llama", "LlamaForCausalLM"),
+    "LlamaModel": ("srt.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("srt.models.llama", "LlamaForCausalLM"),
+    "MistralModel": ("srt.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("srt.models.qwen2", "Qwen2ForCausalLM"),
+    "Qwen2Model": ("srt.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("srt.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3Model": ("srt.models.qwen3", "Qwen3ForCausalLM"),
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -69,4 +70,55 @@ def save_tiny_model_with_tokenizer(folder: Path, tokenizer_from: str) -> Path:
     save_tiny_model("llama", folder, vocab=DEFAULT_MODEL_VOCAB)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(tokenizer_from) / name, folder / name)
+    return folder
+
+
+def save_tiny_embedding_model(
+    folder: Path,
+    tokenizer_from: str,
+    pooling: str = "lasttoken",
+    normalize: bool = True,
+    matryoshka_dimensions: list[int] | None = None,
+) -> Path:
+    """A tiny random Qwen3 embedding model laid out as Qwen3-Embedding is: the bare base
+    model (no LM head), the tokenizer of `tokenizer_from`, and sentence-transformers'
+    module files (`pooling`: lasttoken, mean or cls; a Normalize module if `normalize`)."""
+    from transformers import AutoModel
+
+    torch.manual_seed(0)
+    config = tiny_config("qwen3", vocab=DEFAULT_MODEL_VOCAB)
+    if matryoshka_dimensions is not None:
+        config.matryoshka_dimensions = matryoshka_dimensions
+    AutoModel.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(tokenizer_from) / name, folder / name)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {
+            "idx": 1,
+            "name": "1",
+            "path": "1_Pooling",
+            "type": "sentence_transformers.models.Pooling",
+        },
+    ]
+    if normalize:
+        modules.append(
+            {
+                "idx": 2,
+                "name": "2",
+                "path": "2_Normalize",
+                "type": "sentence_transformers.models.Normalize",
+            }
+        )
+        (folder / "2_Normalize").mkdir()
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_Pooling").mkdir()
+    chosen = {"lasttoken": "lasttoken", "mean": "mean_tokens", "cls": "cls_token"}[pooling]
+    modes = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "lasttoken")
+    pooling_config = {f"pooling_mode_{m}": m == chosen for m in modes}
+    pooling_config.update(word_embedding_dimension=config.hidden_size, include_prompt=True)
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling_config))
+    (folder / "sentence_bert_config.json").write_text(
+        json.dumps({"max_seq_length": 1024, "do_lower_case": False})
+    )
     return folder

@@ -26,6 +26,7 @@ from srt.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    EmbeddingRequest,
     StreamOptions,
     TextContentPart,
 )
@@ -182,6 +183,15 @@ def test_every_openai_field_is_classified(route: str) -> None:
     assert not extras & OPENAI_FIELDS[route], "an OpenAI field is marked as an SGLang extra"
 
 
+def test_every_openai_embedding_field_is_classified() -> None:
+    from openai.types import embedding_create_params
+
+    sent = _openai_fields(embedding_create_params.EmbeddingCreateParams)
+    assert {"input", "model", "dimensions", "encoding_format"} <= sent
+    missing = sorted(sent - fields.EMBEDDING_FIELDS.keys())
+    assert not missing, f"OpenAI embedding fields not classified in fields.py: {missing}"
+
+
 def _message_param_fields() -> set[str]:
     import openai.types.chat as chat_types
 
@@ -234,6 +244,7 @@ def test_nested_openai_fields_are_classified() -> None:
         (fields.MESSAGE_FIELDS, ChatMessage),
         (fields.TEXT_PART_FIELDS, TextContentPart),
         (fields.STREAM_OPTIONS_FIELDS, StreamOptions),
+        (fields.EMBEDDING_FIELDS, EmbeddingRequest),
     ],
 )
 def test_honoured_fields_are_the_model_fields(table: FieldTable, model: type[BaseModel]) -> None:

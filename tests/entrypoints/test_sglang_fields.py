@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from managers.errors import RequestError
-from srt.entrypoints.native_fields import GENERATE_FIELDS, SAMPLING_FIELDS
+from srt.entrypoints.native_fields import ENCODE_FIELDS, GENERATE_FIELDS, SAMPLING_FIELDS
 from srt.entrypoints.native_protocol import parse_generate
 
 
@@ -42,6 +42,7 @@ def class_fields(source: str, name: str) -> list[str]:
     [
         ("srt/managers/io_struct.py", "GenerateReqInput", GENERATE_FIELDS),
         ("srt/sampling/sampling_params.py", "SamplingParams", SAMPLING_FIELDS),
+        ("srt/managers/io_struct.py", "EmbeddingReqInput", ENCODE_FIELDS),
     ],
 )
 def test_every_field_of_the_installed_sglang_is_classified(

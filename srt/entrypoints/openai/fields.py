@@ -1,6 +1,7 @@
 """What the server does with every request field it accepts, in one table per route.
 
-Each field of `/v1/chat/completions` and `/v1/completions` is exactly one of:
+Each field of `/v1/chat/completions`, `/v1/completions` and `/v1/embeddings` is exactly one
+of:
 
 - honoured: it changes the request as the OpenAI (or SGLang) documentation says;
 - no-op: accepted, its type checked, then dropped on purpose because it cannot change the
@@ -199,6 +200,17 @@ CHAT_FIELDS: FieldTable = {
         accepts(True),
         "sglang",
     ),
+}
+
+EMBEDDING_FIELDS: FieldTable = {
+    "model": honoured("any name: the loaded model serves it; the response echoes the name"),
+    "input": honoured("text, token ids, or a batch of either; each is one embedding"),
+    "encoding_format": honoured("float (a list) or base64 (little-endian float32 bytes)"),
+    "dimensions": honoured(
+        "Matryoshka truncation, then normalized; only for a model trained for it (its "
+        "config.json's matryoshka_dimensions or is_matryoshka)"
+    ),
+    "user": no_op(str, "end-user id for OpenAI's abuse monitoring; " + _NO_EFFECT),
 }
 
 # A message of `messages`.

@@ -27,6 +27,7 @@ from srt.entrypoints.openai.fields import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
     CONTENT_PART_TYPES,
+    EMBEDDING_FIELDS,
     MESSAGE_FIELDS,
     STREAM_OPTIONS_FIELDS,
     TEXT_PART_FIELDS,
@@ -181,20 +182,42 @@ class CompletionRequest(SamplingRequest):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_shape(cls, value: Any) -> Any:
-        """Check by hand: a 4-way union's pydantic errors would be unreadable."""
-        if isinstance(value, str):
+        return check_prompt_shape(value, "prompt")
+
+
+class EmbeddingRequest(_Strict):
+    """`/v1/embeddings` (a server started with `--is-embedding`)."""
+
+    field_table = EMBEDDING_FIELDS
+    top_level = True
+
+    model: str | None = Field(None, max_length=MAX_MODEL_NAME_CHARS)
+    input: PromptField
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input_shape(cls, value: Any) -> Any:
+        return check_prompt_shape(value, "input")
+
+
+def check_prompt_shape(value: Any, name: str) -> Any:
+    """A prompt field's four shapes, checked by hand: a 4-way union's pydantic errors would
+    be unreadable."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value:
+        if all(isinstance(p, str) for p in value):
             return value
-        if isinstance(value, list) and value:
-            if all(isinstance(p, str) for p in value):
-                return value
-            if all(_is_token_id(p) for p in value):
-                return value
-            if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in value):
-                return value
-        raise ValueError(
-            "prompt must be a string, a non-empty list of strings, a non-empty list of token "
-            "ids or a non-empty list of non-empty token id lists"
-        )
+        if all(_is_token_id(p) for p in value):
+            return value
+        if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in value):
+            return value
+    raise ValueError(
+        f"{name} must be a string, a non-empty list of strings, a non-empty list of token "
+        "ids or a non-empty list of non-empty token id lists"
+    )
 
 
 def _is_token_id(value: Any) -> bool:

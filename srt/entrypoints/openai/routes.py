@@ -1,5 +1,6 @@
 """The OpenAI-compatible routes: `/v1/models`, `/v1/models/{model}`, `/v1/completions`,
-`/v1/chat/completions`, one `APIRouter` that `register_openai_routes` mounts.
+`/v1/chat/completions`, `/v1/embeddings`, one `APIRouter` that `register_openai_routes`
+mounts.
 
 Bodies are parsed here with orjson (not by FastAPI) so malformed JSON and invalid fields
 answer 400 in our error shape even where `install_error_handlers` is not installed.
@@ -26,6 +27,7 @@ from srt.entrypoints.http_errors import (
 from srt.entrypoints.openai.responses import ModelCard
 from srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from srt.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from srt.entrypoints.openai.serving_utils import TokenizerManagerLike, check_model, now
 from srt.entrypoints.openai.tool_use import ServerToolConfig
 from srt.server_args import ServerArgs
@@ -49,6 +51,7 @@ class OpenAIHandlers:
     tm: TokenizerManagerLike
     completions: OpenAIServingCompletion
     chat: OpenAIServingChat
+    embeddings: OpenAIServingEmbedding
 
     def model_card(self) -> ModelCard:
         name = self.tm.served_model_name
@@ -88,6 +91,11 @@ async def create_chat_completion(request: Request, handlers: HandlersDep) -> Res
     return await _serve(handlers.chat.handle, request)
 
 
+@router.post("/v1/embeddings")
+async def create_embedding(request: Request, handlers: HandlersDep) -> Response:
+    return await _serve(handlers.embeddings.handle, request)
+
+
 def register_openai_routes(
     app: FastAPI,
     tm: TokenizerManagerLike,
@@ -97,6 +105,9 @@ def register_openai_routes(
     """Keep the handlers on `app.state` and mount `router`."""
     # n alone is held to the limit by the tokenizer manager
     app.state.openai = OpenAIHandlers(
-        tm, OpenAIServingCompletion(tm, max_batch_size), OpenAIServingChat(tm, tools)
+        tm,
+        OpenAIServingCompletion(tm, max_batch_size),
+        OpenAIServingChat(tm, tools),
+        OpenAIServingEmbedding(tm, max_batch_size),
     )
     app.include_router(router)
