@@ -126,6 +126,11 @@ class ServerArgs:
     grammar_cache_size: int = _opt(
         64, "compiled grammars kept in the scheduler (least recently used evicted)"
     )
+    response_store_size: int = _opt(
+        256,
+        "/v1/responses kept for previous_response_id (least recently used evicted; each holds "
+        "its conversation, at most a context's worth of text)",
+    )
     shutdown_grace_period: float = _opt(
         5.0, "seconds SIGTERM lets running requests finish before they are failed"
     )

@@ -43,7 +43,9 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     if server_args.enable_metrics:
         app.include_router(admin_routes.metrics_router)
     tools = ServerToolConfig(server_args.tool_call_parser, server_args.reasoning_parser)
-    register_openai_routes(app, tm, server_args.max_batch_size, tools)
+    register_openai_routes(
+        app, tm, server_args.max_batch_size, tools, server_args.response_store_size
+    )
     # Added last, so outermost: an oversized body is refused before the key is checked.
     app.add_middleware(BodyLimitMiddleware, max_bytes=server_args.max_request_bytes)
     return app

@@ -29,12 +29,12 @@ FIELDS_BASE: dict[str, dict[str, Any]] = {
 
 
 @contextlib.contextmanager
-def serve_openai_routes(tm: Any) -> Iterator[str]:
+def serve_openai_routes(tm: Any, **route_args: Any) -> Iterator[str]:
     """The OpenAI routes over `tm` (a tokenizer-manager test double) on a real uvicorn server
-    in a thread; yields its base URL."""
+    in a thread; yields its base URL. `route_args`: `register_openai_routes`' options."""
     app = FastAPI()
     install_error_handlers(app)
-    register_openai_routes(app, tm)
+    register_openai_routes(app, tm, **route_args)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))  # a free port, held until uvicorn owns it
     port = sock.getsockname()[1]

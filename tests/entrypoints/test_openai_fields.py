@@ -27,6 +27,7 @@ from srt.entrypoints.openai.protocol import (
     ChatMessage,
     CompletionRequest,
     EmbeddingRequest,
+    ResponsesRequest,
     StreamOptions,
     TextContentPart,
 )
@@ -183,13 +184,18 @@ def test_every_openai_field_is_classified(route: str) -> None:
     assert not extras & OPENAI_FIELDS[route], "an OpenAI field is marked as an SGLang extra"
 
 
-def test_every_openai_embedding_field_is_classified() -> None:
+def test_every_openai_embedding_and_responses_field_is_classified() -> None:
     from openai.types import embedding_create_params
+    from openai.types.responses import response_create_params
 
-    sent = _openai_fields(embedding_create_params.EmbeddingCreateParams)
-    assert {"input", "model", "dimensions", "encoding_format"} <= sent
-    missing = sorted(sent - fields.EMBEDDING_FIELDS.keys())
-    assert not missing, f"OpenAI embedding fields not classified in fields.py: {missing}"
+    for params, table in (
+        (embedding_create_params.EmbeddingCreateParams, fields.EMBEDDING_FIELDS),
+        (response_create_params.ResponseCreateParamsStreaming, fields.RESPONSES_FIELDS),
+    ):
+        sent = _openai_fields(params)
+        assert {"input", "model"} <= sent
+        missing = sorted(sent - table.keys())
+        assert not missing, f"OpenAI request fields not classified in fields.py: {missing}"
 
 
 def _message_param_fields() -> set[str]:
@@ -245,6 +251,7 @@ def test_nested_openai_fields_are_classified() -> None:
         (fields.TEXT_PART_FIELDS, TextContentPart),
         (fields.STREAM_OPTIONS_FIELDS, StreamOptions),
         (fields.EMBEDDING_FIELDS, EmbeddingRequest),
+        (fields.RESPONSES_FIELDS, ResponsesRequest),
     ],
 )
 def test_honoured_fields_are_the_model_fields(table: FieldTable, model: type[BaseModel]) -> None:

@@ -27,8 +27,10 @@ pytestmark = pytest.mark.slow
 CHUNK = 16  # --chunked-prefill-size: the long prompts below run in several chunks
 TEXTS = [
     "Hello world.",
-    "The quick brown fox jumps over the lazy dog, and then it runs far away into the woods "
-    "where nobody can find it again for a very long time.",
+    (
+        "The quick brown fox jumps over the lazy dog, and then it runs far away into the "
+        "woods where nobody can find it again for a very long time."
+    ),
     "The quick brown fox jumps over the lazy dog, and then it sleeps.",
     "x",
 ]
@@ -48,7 +50,9 @@ def reference(folder: Path) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def embedding_server(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def embedding_server(
+    folder: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("embedding-server") / "server.log"
     srv = ServerProcess(
         "--model-path",
@@ -91,7 +95,9 @@ def test_one_string_token_ids_and_both_encodings(
 ) -> None:
     one = client.embeddings.create(model="m", input=TEXTS[0], encoding_format="float")
     np.testing.assert_allclose(one.data[0].embedding, reference[0], atol=1e-5)
-    ids = requests.post(embedding_server.url + "/tokenize", json={"prompt": TEXTS[2]}, timeout=30).json()
+    ids = requests.post(
+        embedding_server.url + "/tokenize", json={"prompt": TEXTS[2]}, timeout=30
+    ).json()
     tokens = ids["tokens"]
     by_ids = client.embeddings.create(model="m", input=[tokens, tokens[:3]])
     np.testing.assert_allclose(by_ids.data[0].embedding, reference[2], atol=1e-5)
@@ -116,7 +122,9 @@ def test_dimensions_truncate_then_normalize(client: openai.OpenAI, reference: np
 
 
 def test_native_encode(embedding_server: ServerProcess, reference: np.ndarray) -> None:
-    one = requests.post(embedding_server.url + "/encode", json={"text": TEXTS[1]}, timeout=30).json()
+    one = requests.post(
+        embedding_server.url + "/encode", json={"text": TEXTS[1]}, timeout=30
+    ).json()
     np.testing.assert_allclose(one["embedding"], reference[1], atol=1e-5)
     # Asked before: the whole prompt but its last token comes from the radix cache.
     assert one["meta_info"]["cached_tokens"] == one["meta_info"]["prompt_tokens"] - 1

@@ -1,7 +1,7 @@
 """What the server does with every request field it accepts, in one table per route.
 
-Each field of `/v1/chat/completions`, `/v1/completions` and `/v1/embeddings` is exactly one
-of:
+Each field of `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings` and
+`/v1/responses` is exactly one of:
 
 - honoured: it changes the request as the OpenAI (or SGLang) documentation says;
 - no-op: accepted, its type checked, then dropped on purpose because it cannot change the
@@ -211,6 +211,69 @@ EMBEDDING_FIELDS: FieldTable = {
         "config.json's matryoshka_dimensions or is_matryoshka)"
     ),
     "user": no_op(str, "end-user id for OpenAI's abuse monitoring; " + _NO_EFFECT),
+}
+
+
+def _all_null(value: Any, body: Mapping[str, Any]) -> bool:
+    """An options object that sets nothing (`reasoning: {"effort": null}`)."""
+    return value is None or (isinstance(value, dict) and all(v is None for v in value.values()))
+
+
+RESPONSES_FIELDS: FieldTable = {
+    "model": honoured("any name: the loaded model serves it; the response echoes the name"),
+    "input": honoured(
+        "a string, or items: messages (text parts), function_call, function_call_output, reasoning"
+    ),
+    "instructions": honoured("a system message before the input; not carried to a next turn"),
+    "max_output_tokens": honoured("max_new_tokens; reaching it makes the response incomplete"),
+    "temperature": honoured("temperature"),
+    "top_p": honoured("top_p"),
+    "stream": honoured("server-sent events in the Responses event sequence"),
+    "tools": honoured("function tools, rendered by the chat template; other types refused"),
+    "tool_choice": honoured("none, auto, required or a named function"),
+    "parallel_tool_calls": honoured("whether several function calls may be returned"),
+    "previous_response_id": honoured(
+        "continue a stored response: its input and output come before this input"
+    ),
+    "store": honoured(
+        "true (default): kept in the server's bounded in-memory store (--response-store-size) "
+        "for previous_response_id and GET /v1/responses/{id}; false: nothing kept"
+    ),
+    "text": honoured("format text, json_object or json_schema (a JSON grammar)"),
+    "metadata": honoured("echoed in the response"),
+    "user": no_op(str, "end-user id for OpenAI's abuse monitoring; " + _NO_EFFECT),
+    "safety_identifier": no_op(str, "end-user id for OpenAI's abuse monitoring; " + _NO_EFFECT),
+    "service_tier": no_op(str, "OpenAI's processing tier; " + _NO_EFFECT),
+    "prompt_cache_key": no_op(
+        str, "a routing hint for OpenAI's prompt cache; the radix cache here needs none"
+    ),
+    "prompt_cache_retention": no_op(
+        str, "OpenAI's prompt-cache lifetime; the radix cache here evicts by its own policy"
+    ),
+    "prompt_cache_options": no_op(
+        dict[str, Any], "OpenAI's prompt-cache options; the radix cache here needs none"
+    ),
+    "stream_options": no_op(dict[str, Any], "include_obfuscation: padding, never added here"),
+    # The OpenAI Agents SDK sends `include: []` on every request.
+    "include": refused("not supported: no extra output data is included", accepts([])),
+    "reasoning": refused(
+        "not supported: a reasoning model's effort and summaries cannot be set here",
+        _all_null,
+    ),
+    "truncation": refused(
+        'only "disabled" is supported: an input too long for the context is refused, never cut',
+        accepts("disabled"),
+    ),
+    "top_logprobs": refused("not supported on this route: use /v1/chat/completions", accepts(0)),
+    "max_tool_calls": refused("not supported: calls are limited by tool_choice only"),
+    "background": refused("not supported: no background responses", accepts(False)),
+    "background_options": refused("not supported: no background responses"),
+    "conversation": refused("not supported: no conversations; use previous_response_id"),
+    "prompt": refused("not supported: no stored prompt templates"),
+    "context_management": refused("not supported: no context compaction"),
+    "moderation": refused("not supported: this server runs no moderation"),
+    "image": refused("not supported: this server generates text only"),
+    "access_programs": refused("not supported: no hosted tools or programs"),
 }
 
 # A message of `messages`.

@@ -29,6 +29,7 @@ from srt.entrypoints.openai.fields import (
     CONTENT_PART_TYPES,
     EMBEDDING_FIELDS,
     MESSAGE_FIELDS,
+    RESPONSES_FIELDS,
     STREAM_OPTIONS_FIELDS,
     TEXT_PART_FIELDS,
     FieldTable,
@@ -200,6 +201,29 @@ class EmbeddingRequest(_Strict):
     @classmethod
     def _input_shape(cls, value: Any) -> Any:
         return check_prompt_shape(value, "input")
+
+
+class ResponsesRequest(_Strict):
+    """`/v1/responses`. `input` items and `tools` are read item by item in
+    `serving_responses.py`, which says which shapes are taken."""
+
+    field_table = RESPONSES_FIELDS
+    top_level = True
+
+    model: str | None = Field(None, max_length=MAX_MODEL_NAME_CHARS)
+    input: str | Annotated[list[dict[str, Any]], Field(min_length=1)]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None = None
+    store: bool = True
+    text: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
 
 
 def check_prompt_shape(value: Any, name: str) -> Any:

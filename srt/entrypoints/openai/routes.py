@@ -1,6 +1,6 @@
 """The OpenAI-compatible routes: `/v1/models`, `/v1/models/{model}`, `/v1/completions`,
-`/v1/chat/completions`, `/v1/embeddings`, one `APIRouter` that `register_openai_routes`
-mounts.
+`/v1/chat/completions`, `/v1/embeddings`, `/v1/responses` (and `GET /v1/responses/{id}`),
+one `APIRouter` that `register_openai_routes` mounts.
 
 Bodies are parsed here with orjson (not by FastAPI) so malformed JSON and invalid fields
 answer 400 in our error shape even where `install_error_handlers` is not installed.
@@ -24,10 +24,12 @@ from srt.entrypoints.http_errors import (
     request_error_from_validation,
     request_error_response,
 )
+from srt.entrypoints.openai.response_store import ResponseStore
 from srt.entrypoints.openai.responses import ModelCard
 from srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from srt.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from srt.entrypoints.openai.serving_responses import OpenAIServingResponses
 from srt.entrypoints.openai.serving_utils import TokenizerManagerLike, check_model, now
 from srt.entrypoints.openai.tool_use import ServerToolConfig
 from srt.server_args import ServerArgs
@@ -52,6 +54,7 @@ class OpenAIHandlers:
     completions: OpenAIServingCompletion
     chat: OpenAIServingChat
     embeddings: OpenAIServingEmbedding
+    responses: OpenAIServingResponses
 
     def model_card(self) -> ModelCard:
         name = self.tm.served_model_name
@@ -96,18 +99,34 @@ async def create_embedding(request: Request, handlers: HandlersDep) -> Response:
     return await _serve(handlers.embeddings.handle, request)
 
 
+@router.post("/v1/responses")
+async def create_response(request: Request, handlers: HandlersDep) -> Response:
+    return await _serve(handlers.responses.handle, request)
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, handlers: HandlersDep) -> Response:
+    try:
+        return handlers.responses.retrieve(response_id)
+    except RequestError as err:
+        return request_error_response(err)
+
+
 def register_openai_routes(
     app: FastAPI,
     tm: TokenizerManagerLike,
     max_batch_size: int = ServerArgs.max_batch_size,
     tools: ServerToolConfig | None = None,
+    response_store_size: int = ServerArgs.response_store_size,
 ) -> None:
     """Keep the handlers on `app.state` and mount `router`."""
     # n alone is held to the limit by the tokenizer manager
+    chat = OpenAIServingChat(tm, tools)
     app.state.openai = OpenAIHandlers(
         tm,
         OpenAIServingCompletion(tm, max_batch_size),
-        OpenAIServingChat(tm, tools),
+        chat,
         OpenAIServingEmbedding(tm, max_batch_size),
+        OpenAIServingResponses(tm, chat, ResponseStore(response_store_size)),
     )
     app.include_router(router)
