@@ -83,6 +83,21 @@ FieldTable = Mapping[str, FieldRule]
 
 _NO_EFFECT = "an OpenAI platform feature; no effect on the output here"
 
+# OpenAI platform fields of chat and Responses requests that cannot change the output here.
+_PLATFORM_NO_OPS: dict[str, FieldRule] = {
+    "service_tier": no_op(str, "OpenAI's processing tier; " + _NO_EFFECT),
+    "prompt_cache_key": no_op(
+        str, "a routing hint for OpenAI's prompt cache; the radix cache here needs none"
+    ),
+    "prompt_cache_retention": no_op(
+        str, "OpenAI's prompt-cache lifetime; the radix cache here evicts by its own policy"
+    ),
+    "prompt_cache_options": no_op(
+        dict[str, Any], "OpenAI's prompt-cache options; the radix cache here needs none"
+    ),
+    "safety_identifier": no_op(str, "end-user id for OpenAI's abuse monitoring; " + _NO_EFFECT),
+}
+
 # Fields both routes share: OpenAI's sampling fields, then SGLang's extras.
 _SHARED: dict[str, FieldRule] = {
     # SGLang's rule: sglang-router's PD mode forwards "unknown" for a client that sent none,
@@ -164,17 +179,7 @@ CHAT_FIELDS: FieldTable = {
     "parallel_tool_calls": honoured("whether several tool calls may be returned"),
     "metadata": no_op(dict[str, str], "tags for stored completions; " + _NO_EFFECT),
     "store": no_op(bool, "OpenAI's stored completions; " + _NO_EFFECT),
-    "service_tier": no_op(str, "OpenAI's processing tier; " + _NO_EFFECT),
-    "prompt_cache_key": no_op(
-        str, "a routing hint for OpenAI's prompt cache; the radix cache here needs none"
-    ),
-    "prompt_cache_retention": no_op(
-        str, "OpenAI's prompt-cache lifetime; the radix cache here evicts by its own policy"
-    ),
-    "prompt_cache_options": no_op(
-        dict[str, Any], "OpenAI's prompt-cache options; the radix cache here needs none"
-    ),
-    "safety_identifier": no_op(str, "end-user id for OpenAI's abuse monitoring; " + _NO_EFFECT),
+    **_PLATFORM_NO_OPS,
     "audio": refused("not supported: this server generates text only"),
     "modalities": refused('only ["text"] is supported: no audio output', accepts(["text"])),
     "prediction": refused("not supported: no predicted outputs"),
@@ -242,17 +247,7 @@ RESPONSES_FIELDS: FieldTable = {
     "text": honoured("format text, json_object or json_schema (a JSON grammar)"),
     "metadata": honoured("echoed in the response"),
     "user": no_op(str, "end-user id for OpenAI's abuse monitoring; " + _NO_EFFECT),
-    "safety_identifier": no_op(str, "end-user id for OpenAI's abuse monitoring; " + _NO_EFFECT),
-    "service_tier": no_op(str, "OpenAI's processing tier; " + _NO_EFFECT),
-    "prompt_cache_key": no_op(
-        str, "a routing hint for OpenAI's prompt cache; the radix cache here needs none"
-    ),
-    "prompt_cache_retention": no_op(
-        str, "OpenAI's prompt-cache lifetime; the radix cache here evicts by its own policy"
-    ),
-    "prompt_cache_options": no_op(
-        dict[str, Any], "OpenAI's prompt-cache options; the radix cache here needs none"
-    ),
+    **_PLATFORM_NO_OPS,
     "stream_options": no_op(dict[str, Any], "include_obfuscation: padding, never added here"),
     # The OpenAI Agents SDK sends `include: []` on every request.
     "include": refused("not supported: no extra output data is included", accepts([])),

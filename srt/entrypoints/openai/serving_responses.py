@@ -310,6 +310,10 @@ class OutputItems:
     def _emit(self, kind: str, **fields: Any) -> None:
         self._events.append({"type": kind, **fields})
 
+    def _where(self, index: int) -> dict[str, Any]:
+        """Where a text event belongs: the item, its place in the output, its one part."""
+        return {"item_id": self.items[index]["id"], "output_index": index, "content_index": 0}
+
     def _add(self, item: dict[str, Any]) -> int:
         self.items.append(item)
         index = len(self.items) - 1
@@ -330,34 +334,16 @@ class OutputItems:
             index = self._open = self._add({**item, "status": "in_progress", "content": []})
             self.items[index]["content"].append(part)
             if kind == "message":
-                self._emit(
-                    "response.content_part.added",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    part=dict(part),
-                )
+                self._emit("response.content_part.added", **self._where(index), part=dict(part))
         item = self.items[index]
         item["content"][0]["text"] += delta
         if not delta:
             return
+        where = self._where(index)
         if kind == "message":
-            self._emit(
-                "response.output_text.delta",
-                item_id=item["id"],
-                output_index=index,
-                content_index=0,
-                delta=delta,
-                logprobs=[],
-            )
+            self._emit("response.output_text.delta", **where, delta=delta, logprobs=[])
         else:
-            self._emit(
-                "response.reasoning_text.delta",
-                item_id=item["id"],
-                output_index=index,
-                content_index=0,
-                delta=delta,
-            )
+            self._emit("response.reasoning_text.delta", **where, delta=delta)
 
     def _close_text(self, status: str) -> None:
         index, self._open = self._open, None
@@ -365,7 +351,7 @@ class OutputItems:
             return
         item = self.items[index]
         part = item["content"][0]
-        where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        where = self._where(index)
         if item["type"] == "message":
             self._emit("response.output_text.done", **where, text=part["text"], logprobs=[])
             self._emit("response.content_part.done", **where, part=dict(part))
