@@ -35,6 +35,10 @@ WEATHER = {
 }
 
 
+# xgrammar refuses this when it compiles (the type name is unknown).
+BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": "no-such-type"}}}
+
+
 @pytest.fixture(scope="module")
 def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
@@ -198,6 +202,15 @@ def test_agents_sdk_runs_an_agent_with_a_function_tool(url: str) -> None:
         ({"input": "hi", "truncation": "auto"}, "truncation", 400),
         ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning", 400),
         ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "text", 400),
+        (
+            {
+                "input": "hi",
+                "stream": True,
+                "text": {"format": {"type": "json_schema", "name": "x", "schema": BAD_SCHEMA}},
+            },
+            None,
+            400,
+        ),
         ({"input": "hi", "previous_response_id": "resp_unknown"}, "previous_response_id", 404),
         ({"input": "word " * 9000}, None, 400),
     ],

@@ -38,6 +38,7 @@ from srt.entrypoints.openai.serving_utils import (
     TokenizerManagerLike,
     collect_final,
     finish_reason,
+    name_grammar_field,
     now,
     response_model,
     sampling_params,
@@ -104,9 +105,11 @@ class OpenAIServingResponses:
             input_ids=prompt_ids, sampling_params=params, rid=turn.id, stream=req.stream
         )
         gen = self.tm.generate_request(obj, raw_request)
+        # A grammar refusal names the field that built the grammar.
+        schema_source = "tools" if tool_use.forced else "text"
         if req.stream:
-            return await start_sse(turn.events(gen))
-        finals = await collect_final([gen], 1, tool_use.schema_source(chat_req))
+            return await start_sse(turn.events(gen, schema_source))
+        finals = await collect_final([gen], 1, schema_source)
         out = finals[(0, 0)]
         reason, _ = finish_reason(out)  # raises for a refused or failed request
         turn.items.feed(out["text"])
@@ -195,7 +198,7 @@ class Turn:
         }
 
     async def events(
-        self, gen: AsyncGenerator[dict[str, Any], None]
+        self, gen: AsyncGenerator[dict[str, Any], None], schema_source: str
     ) -> AsyncGenerator[bytes, None]:
         """The Responses event sequence of a stream (see the module docstring)."""
         sequence = itertools.count()
@@ -221,6 +224,7 @@ class Turn:
                     for fields in self.items.take_events():
                         yield event(fields)
         except RequestError as err:
+            name_grammar_field(err, schema_source)
             if not started:
                 raise
             yield event(
