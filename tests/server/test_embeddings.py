@@ -173,3 +173,14 @@ def test_generation_server_refuses_embeddings(url: str) -> None:
     resp = requests.post(url + "/v1/embeddings", json={"model": "m", "input": "a"}, timeout=30)
     assert resp.status_code == 400
     assert "--is-embedding" in resp.json()["error"]["message"]
+
+
+def test_offline_engine_encode(folder: Path, reference: np.ndarray) -> None:
+    from srt.entrypoints.engine import Engine
+
+    with Engine(model_path=str(folder), is_embedding=True, dtype="float32") as engine:
+        one = engine.encode(TEXTS[0])
+        batch = engine.encode(input_ids=[[1, 2, 3], [4, 5]], dimensions=32)
+    np.testing.assert_allclose(one["embedding"], reference[0], atol=1e-5)
+    assert [len(out["embedding"]) for out in batch] == [32, 32]
+    assert one["meta_info"]["prompt_tokens"] > 0
