@@ -169,6 +169,7 @@ def test_runner_sizing_subtracts_table_and_graphs(
         mem_fraction_static=0.88,
         page_size=16,
         disable_cuda_graph=not graphs,
+        is_embedding=False,
         cuda_graph_max_bs=160,
     )
     runner.local_config = runner.model_config  # tp=1: this rank holds every head
