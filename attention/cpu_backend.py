@@ -13,6 +13,9 @@ no gather, no per-request Python, online softmax in float32:
   the keys its last token sees (bottom-right causal over the cached prefix), a tile of keys
   at a time copied out of the pool once and multiplied against the block's query rows.
 
+Both honour a layer's sliding window (`RadixAttention.sliding_window`): a token sees its last
+`window` positions only.
+
 Where a kernel cannot run (no C compiler, a failed build, a KV dtype other than float32 or
 bfloat16, a head dim other than 64 or 128, or for decode a query group over 8 heads), that
 mode falls back to `torch_native`'s path, with one log line saying why.
@@ -116,7 +119,15 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         lens: ExtendLens = forward_batch.attn_metadata
         per_request = (lens.pool_rows, lens.prefix_lens, lens.extend_lens)
         return self._through(
-            self._extend_kernel, per_request, q, k, v, layer, forward_batch, save_kv_cache
+            self._extend_kernel,
+            per_request,
+            q,
+            k,
+            v,
+            layer,
+            forward_batch,
+            save_kv_cache,
+            window=layer.sliding_window,
         )
 
     def forward_decode(
@@ -140,7 +151,9 @@ class CpuAttnBackend(TorchNativeAttnBackend):
             layer,
             forward_batch,
             save_kv_cache,
-            shared=forward_batch.attn_metadata,
+            # A windowed layer reads each request's last tokens only: nothing to share.
+            shared=forward_batch.attn_metadata if layer.sliding_window is None else None,
+            window=layer.sliding_window,
         )
 
     def _through(

@@ -26,7 +26,10 @@ class RadixAttention(nn.Module):
         scaling: float,
         num_kv_heads: int,
         layer_id: int,
+        sliding_window: int | None = None,
     ) -> None:
+        """`sliding_window`: the positions a query sees, itself included (position p sees
+        p - sliding_window + 1 .. p); None: every earlier position."""
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads {num_heads} is not a multiple of {num_kv_heads}")
@@ -35,6 +38,7 @@ class RadixAttention(nn.Module):
         self.head_dim = head_dim
         self.scaling = scaling
         self.layer_id = layer_id
+        self.sliding_window = sliding_window
 
     def forward(
         self,
@@ -57,5 +61,6 @@ class RadixAttention(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"layer_id={self.layer_id}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
-            f"head_dim={self.head_dim}, scaling={self.scaling:.4g}"
+            f"head_dim={self.head_dim}, scaling={self.scaling:.4g}, "
+            f"sliding_window={self.sliding_window}"
         )

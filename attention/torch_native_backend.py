@@ -35,12 +35,14 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class QueryBlock:
-    """Queries [q0, q1) of one request see keys [0, num_keys), with `bias` masking the rest."""
+    """Queries [q0, q1) of one request see keys [key_start, num_keys), with `bias` masking
+    the rest (key_start > 0 only under a sliding window)."""
 
     q0: int
     q1: int
     num_keys: int
-    bias: torch.Tensor | None  # float32 [q1 - q0, num_keys], 0 or -inf; None: no mask needed
+    bias: torch.Tensor | None  # float32 [q1 - q0, num_keys - key_start]; None: no mask needed
+    key_start: int = 0
 
 
 @dataclass(slots=True)
@@ -49,6 +51,7 @@ class ExtendRequestPlan:
     q_end: int
     kv_indices: torch.Tensor  # int64 [seq_len]: KV slot of every token, prefix + new
     blocks: list[QueryBlock]
+    window_blocks: list[QueryBlock] | None = None  # the same, for the windowed layers
 
 
 # Extend attention materialises [heads, block, keys] scores per query block, and each block
@@ -80,10 +83,12 @@ def gather_slots(
 class TorchNativeAttnBackend(AttentionBackend):
     """Pure PyTorch attention over the paged KV pool."""
 
-    def __init__(self, **_unused: Any) -> None:
+    def __init__(self, sliding_window: int | None = None, **_unused: Any) -> None:
         # Every backend is built with the same keyword set by the model runner; this one
-        # derives everything it needs from each ForwardBatch. The last decode plan is kept
-        # so the next decode step of the same batch can reuse its staged K/V.
+        # derives the rest from each ForwardBatch. `sliding_window`: the model's windowed
+        # layers' window, planned for beside the full causal masks. The last decode plan is
+        # kept so the next decode step of the same batch can reuse its staged K/V.
+        self.sliding_window = sliding_window
         self._decode_plan: DecodePlan | None = None
 
     # ---- plan -------------------------------------------------------------------------
@@ -96,7 +101,9 @@ class TorchNativeAttnBackend(AttentionBackend):
             k_cache = pool.get_key_buffer(0)
             # Staged K is float32, staged V in the pool dtype.
             bytes_per_token = len(pool.k_buffer) * k_cache[0].numel() * (4 + k_cache.element_size())
-            self._decode_plan = plan_decode(forward_batch, self._decode_plan, bytes_per_token)
+            self._decode_plan = plan_decode(
+                forward_batch, self._decode_plan, bytes_per_token, self.sliding_window
+            )
             forward_batch.attn_metadata = self._decode_plan
             return
         # Any other forward may reuse rows or change lengths: stop reusing staged K/V.
@@ -136,11 +143,20 @@ class TorchNativeAttnBackend(AttentionBackend):
         for row, prefix_len, extend_len in zip(pool_rows, prefix_lens, extend_lens):
             seq_len = prefix_len + extend_len
             kv_indices = req_to_token[row, :seq_len].to(torch.int64)
-            blocks = [
-                _query_block(prefix_len, q0, min(q0 + EXTEND_QUERY_BLOCK, extend_len), device)
-                for q0 in range(0, extend_len, EXTEND_QUERY_BLOCK)
-            ]
-            requests.append(ExtendRequestPlan(q_start, q_start + extend_len, kv_indices, blocks))
+            starts = range(0, extend_len, EXTEND_QUERY_BLOCK)
+            ends = [min(q0 + EXTEND_QUERY_BLOCK, extend_len) for q0 in starts]
+            plan = ExtendRequestPlan(
+                q_start,
+                q_start + extend_len,
+                kv_indices,
+                [_query_block(prefix_len, q0, q1, device) for q0, q1 in zip(starts, ends)],
+            )
+            if self.sliding_window is not None:
+                plan.window_blocks = [
+                    _query_block(prefix_len, q0, q1, device, self.sliding_window)
+                    for q0, q1 in zip(starts, ends)
+                ]
+            requests.append(plan)
             q_start += extend_len
         return ExtendMetadata(requests=requests)
 
@@ -170,12 +186,14 @@ class TorchNativeAttnBackend(AttentionBackend):
         for req in meta.requests:
             k_req = gather_slots(k_cache, req.kv_indices).transpose(0, 1)  # [Hkv, S, D]
             v_req = gather_slots(v_cache, req.kv_indices).transpose(0, 1)
-            for blk in req.blocks:
+            blocks = req.window_blocks if layer.sliding_window is not None else req.blocks
+            assert blocks is not None, "a windowed layer needs a backend built with its window"
+            for blk in blocks:
                 lo, hi = req.q_start + blk.q0, req.q_start + blk.q1
                 out[:, :, lo:hi] = _grouped_attention(
                     q_grouped[:, :, lo:hi],
-                    k_req[:, : blk.num_keys],
-                    v_req[:, : blk.num_keys],
+                    k_req[:, blk.key_start : blk.num_keys],
+                    v_req[:, blk.key_start : blk.num_keys],
                     blk.bias,
                     layer.scaling,
                 )
@@ -206,16 +224,24 @@ class TorchNativeAttnBackend(AttentionBackend):
         return out.to(q.dtype)
 
 
-def _query_block(prefix_len: int, q0: int, q1: int, device: torch.device) -> QueryBlock:
-    """Query j (position prefix_len + j) sees keys 0..prefix_len + j: bottom-right causal."""
+def _query_block(
+    prefix_len: int, q0: int, q1: int, device: torch.device, window: int | None = None
+) -> QueryBlock:
+    """Query j (position p = prefix_len + j) sees keys 0..p (bottom-right causal), or under
+    a window keys p - window + 1..p; the block reads from the first key its first query
+    sees."""
     num_keys = prefix_len + q1
+    key_start = 0 if window is None else max(0, prefix_len + q0 - window + 1)
     if q1 - q0 == 1:
-        return QueryBlock(q0, q1, num_keys, None)  # the last query of the block sees all keys
+        # A lone query sees exactly the keys it reads.
+        return QueryBlock(q0, q1, num_keys, None, key_start)
     query_pos = torch.arange(prefix_len + q0, prefix_len + q1, device=device)
-    key_pos = torch.arange(num_keys, device=device)
-    bias = torch.zeros(q1 - q0, num_keys, device=device)
-    bias.masked_fill_(key_pos[None, :] > query_pos[:, None], float("-inf"))
-    return QueryBlock(q0, q1, num_keys, bias)
+    key_pos = torch.arange(key_start, num_keys, device=device)
+    hidden = key_pos[None, :] > query_pos[:, None]
+    if window is not None:
+        hidden |= key_pos[None, :] <= query_pos[:, None] - window
+    bias = torch.zeros(q1 - q0, num_keys - key_start, device=device)
+    return QueryBlock(q0, q1, num_keys, bias.masked_fill_(hidden, float("-inf")), key_start)
 
 
 def _grouped_attention(

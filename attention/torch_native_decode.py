@@ -43,7 +43,9 @@ class DecodeBucket:
     pool_rows: torch.Tensor  # int64 [b]: rows of req_to_token
     lens: torch.Tensor  # int64 [b]: tokens with KV, the new one included
     cap: int  # staged positions per request
+    window: int | None = None  # the windowed layers' window (they use `window_bias`)
     bias: torch.Tensor | None = None  # float32 [b, 1, 1, cap]: 0 where a token is, else -inf
+    window_bias: torch.Tensor | None = None  # the same, -inf also before the window
     new_pos: torch.Tensor | None = None  # int64 [b]: position of the new token
     # Per layer: K float32 and V [b, Hkv, cap, D], absent until the layer first gathers.
     staged_k: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -56,6 +58,9 @@ class DecodeBucket:
         self.bias = bias.masked_fill_(
             (positions[None, :] >= lens[:, None])[:, None, None, :], float("-inf")
         )
+        if self.window is not None:
+            before = (positions[None, :] < lens[:, None] - self.window)[:, None, None, :]
+            self.window_bias = self.bias.masked_fill(before, float("-inf"))
         self.new_pos = lens - 1
 
 
@@ -77,9 +82,13 @@ class DecodePlan:
 
 
 def plan_decode(
-    forward_batch: ForwardBatch, previous: DecodePlan | None, bytes_per_token: int
+    forward_batch: ForwardBatch,
+    previous: DecodePlan | None,
+    bytes_per_token: int,
+    window: int | None = None,
 ) -> DecodePlan:
-    """The plan step: continue the previous decode plan if this batch extends it."""
+    """The plan step: continue the previous decode plan if this batch extends it. `window`:
+    the model's windowed layers' (each bucket masks for both kinds of layer)."""
     pool_rows = tuple(forward_batch.req_pool_indices.tolist())
     lens = tuple(forward_batch.seq_lens_cpu)
     seq_lens = forward_batch.seq_lens
@@ -104,7 +113,9 @@ def plan_decode(
         bucket_pool_rows = (
             forward_batch.req_pool_indices if rows is None else forward_batch.req_pool_indices[rows]
         )
-        buckets.append(DecodeBucket(rows, bucket_pool_rows, bucket_lens, int(bucket_lens.max())))
+        buckets.append(
+            DecodeBucket(rows, bucket_pool_rows, bucket_lens, int(bucket_lens.max()), window)
+        )
     headroom = sum(len(b.pool_rows) * (b.cap + STAGING_HEADROOM) for b in buckets)
     staged = headroom * bytes_per_token <= STAGING_MAX_BYTES
     for bucket in buckets:
@@ -182,7 +193,9 @@ def _bucket_attention(
             bucket.staged_k[layer_id], bucket.staged_v[layer_id] = k_rows, v_rows
     rows = q.reshape(b * kv_heads, group, head_dim).float()
     scores = torch.bmm(rows, k_rows.view(b * kv_heads, cap, head_dim).transpose(1, 2))
-    scores = scores.mul_(layer.scaling).view(b, kv_heads, group, cap).add_(bucket.bias)
+    bias = bucket.window_bias if layer.sliding_window is not None else bucket.bias
+    assert bias is not None, "a windowed layer needs a backend built with its window"
+    scores = scores.mul_(layer.scaling).view(b, kv_heads, group, cap).add_(bias)
     probs = torch.softmax(scores, dim=-1).to(v_rows.dtype).view(b * kv_heads, group, cap)
     out = torch.bmm(probs, v_rows.view(b * kv_heads, cap, head_dim))
     return out.view(b, kv_heads, group, head_dim)

@@ -37,6 +37,8 @@ class ModelConfig:
     hidden_size: int
     vocab_size: int
     eos_token_ids: list[int]
+    # The attention window of the model's windowed layers (None: every layer sees all).
+    sliding_window: int | None = None
 
     @classmethod
     def from_path(
@@ -80,7 +82,31 @@ class ModelConfig:
             hidden_size=hidden,
             vocab_size=int(text.vocab_size),
             eos_token_ids=_eos_token_ids(folder, hf_config),
+            sliding_window=model_sliding_window(text),
         )
+
+
+def layer_sliding_window(config: Any, layer_id: int) -> int | None:
+    """How many positions layer `layer_id` attends to (itself included), or None for all.
+
+    HF's rule: `sliding_window` set (Mistral sets it for every layer; Qwen2 and Qwen3 only
+    with `use_sliding_window`, else their config clears it), and where the config lists
+    `layer_types`, only the layers marked "sliding_attention" (Qwen2's layers from
+    `max_window_layers` on). Query position p sees keys p - window + 1 .. p."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and layer_types[layer_id] != "sliding_attention":
+        return None
+    return int(window)
+
+
+def model_sliding_window(config: Any) -> int | None:
+    """The window of the model's windowed layers, or None when no layer has one."""
+    layers = int(config.num_hidden_layers)
+    windows = {layer_sliding_window(config, i) for i in range(layers)} - {None}
+    return windows.pop() if windows else None
 
 
 def _context_len(text_config: Any, override: int | None) -> int:

@@ -4,6 +4,8 @@
   requests hold, found once per step by `shared_prefixes()`, is read once for all of them.
 - `paged_extend_kernel()`: many new tokens per request, causal over the cached prefix.
 
+Both take a sliding-window layer's window (the positions a token sees, itself included).
+
 Each returns None where the library cannot be built (`build.load`); `attention/cpu_backend.py`
 then keeps the torch path.
 """
@@ -54,11 +56,12 @@ class PagedAttentionKernel:
         per_request: tuple[torch.Tensor | None, ...],
         num_heads: int,
         scale: float,
+        window: int | None,
         out: torch.Tensor,
     ) -> torch.Tensor:
         """Call the kernel with the arguments both share, around the int64 per-request arrays
         (pool rows first; None passes NULL); returns `out`, or raises for the kernel's error
-        status."""
+        status. `window`: a sliding-window layer's (None: every earlier position)."""
         _, kv_heads, head_dim = k_cache.shape
         assert k_cache.dtype == v_cache.dtype and k_cache.stride() == v_cache.stride()
         assert k_cache.stride(2) == 1 and k_cache.stride(1) == head_dim
@@ -78,6 +81,7 @@ class PagedAttentionKernel:
             kv_heads,
             head_dim,
             scale,
+            window or 0,
             out.data_ptr(),
             torch.get_num_threads(),
         )
@@ -162,7 +166,7 @@ class PagedDecodeKernel(PagedAttentionKernel):
     def __init__(self, library: ctypes.CDLL) -> None:
         p, i64, i32 = _P, _I64, _I32
         argtypes = [
-            p, p, p, i32, i64, p, i64, p, p, p, p, i32, i32, i32, i32, ctypes.c_float, p, i32
+            p, p, p, i32, i64, p, i64, p, p, p, p, i32, i32, i32, i32, ctypes.c_float, i64, p, i32
         ]  # fmt: skip
         super().__init__(library, "paged_decode_attention", argtypes)
 
@@ -177,9 +181,12 @@ class PagedDecodeKernel(PagedAttentionKernel):
         num_heads: int,
         scale: float,
         shared: SharedPrefixes | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         """`shared`: requests whose leading KV slots are the same (`shared_prefixes`); their
-        common prefix is read once per group. None: every request reads all its own."""
+        common prefix is read once per group. None: every request reads all its own.
+        `window`: a sliding-window layer's; each request reads its last `window` tokens
+        (and nothing is shared)."""
         batch, head_dim = q.shape[0], k_cache.shape[2]
         q32 = q.reshape(batch, num_heads * head_dim).to(torch.float32).contiguous()
         per_request = (
@@ -189,7 +196,9 @@ class PagedDecodeKernel(PagedAttentionKernel):
             None if shared is None else shared.lens,
         )
         out = torch.empty(batch, num_heads * head_dim, dtype=torch.float32)
-        return self._run(q32, k_cache, v_cache, req_to_token, per_request, num_heads, scale, out)
+        return self._run(
+            q32, k_cache, v_cache, req_to_token, per_request, num_heads, scale, window, out
+        )
 
 
 class PagedExtendKernel(PagedAttentionKernel):
@@ -201,7 +210,7 @@ class PagedExtendKernel(PagedAttentionKernel):
     def __init__(self, library: ctypes.CDLL) -> None:
         p, i64, i32 = _P, _I64, _I32
         argtypes = [
-            p, p, p, i32, i64, p, i64, p, p, p, i32, i32, i32, i32, ctypes.c_float, p, i32
+            p, p, p, i32, i64, p, i64, p, p, p, i32, i32, i32, i32, ctypes.c_float, i64, p, i32
         ]  # fmt: skip
         super().__init__(library, "paged_extend_attention", argtypes)
 
@@ -216,12 +225,16 @@ class PagedExtendKernel(PagedAttentionKernel):
         extend_lens: torch.Tensor,  # int64 [B], contiguous; sums to T
         num_heads: int,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
+        """`window`: a sliding-window layer's; a token sees its last `window` positions."""
         tokens, head_dim = q.shape[0], k_cache.shape[2]
         q32 = q.reshape(tokens, num_heads * head_dim).to(k_cache.dtype).float().contiguous()
         per_request = (pool_rows, prefix_lens, extend_lens)
         out = torch.empty(tokens, num_heads * head_dim, dtype=torch.float32)
-        return self._run(q32, k_cache, v_cache, req_to_token, per_request, num_heads, scale, out)
+        return self._run(
+            q32, k_cache, v_cache, req_to_token, per_request, num_heads, scale, window, out
+        )
 
 
 @functools.cache

@@ -52,6 +52,8 @@ def _qualifies(layer: Any) -> str | None:
     attn, mlp = layer.self_attn, layer.mlp
     if attn.q_norm is not None:
         return "q/k norm"
+    if attn.attn.sliding_window is not None:
+        return "sliding-window attention"
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if any(m.tp.size != 1 for m in (attn.o_proj, mlp.down_proj)):
         return "tensor parallelism"

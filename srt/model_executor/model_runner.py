@@ -115,7 +115,10 @@ class ModelRunner:
             if not server_args.disable_cpu_fused_decode:
                 enable_fused_decode(self.model)  # needs the packed panels and the layer ops
         self.attn_backend_name = resolve_attention_backend(
-            server_args.attention_backend, self.device, model_config.dtype
+            server_args.attention_backend,
+            self.device,
+            model_config.dtype,
+            model_config.sliding_window,
         )
         self.attn_backend = create_attention_backend(
             self.attn_backend_name,
@@ -125,6 +128,7 @@ class ModelRunner:
             dtype=model_config.dtype,
             device=self.device,
             page_size=server_args.page_size,
+            sliding_window=model_config.sliding_window,
         )
         self.init_memory_pool()
         self.sampler = make_sampler(server_args.sampling_backend, self.device)

@@ -24,6 +24,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from attention.radix_attention import RadixAttention
+from srt.configs.model_config import layer_sliding_window
 from srt.distributed import HeadLayout, TPGroup, head_layout
 from srt.layers.activation import SiluAndMul
 from srt.layers.layernorm import RMSNorm
@@ -120,7 +121,12 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary_emb = rotary_emb
         self.attn = RadixAttention(
-            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            self.num_kv_heads,
+            layer_id,
+            layer_sliding_window(config, layer_id),
         )
 
     def _norm_heads(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:

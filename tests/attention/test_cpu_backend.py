@@ -25,11 +25,24 @@ needs_kernel = pytest.mark.skipif(
 )
 
 
-def cpu_harness(num_heads: int, num_kv_heads: int, dtype: torch.dtype, head_dim: int = 64, **kw):
+def cpu_harness(
+    num_heads: int,
+    num_kv_heads: int,
+    dtype: torch.dtype,
+    head_dim: int = 64,
+    window: int | None = None,
+    **kw,
+):
     backend = CpuAttnBackend(
-        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        sliding_window=window,
     )
-    return Harness(num_heads, num_kv_heads, dtype, head_dim=head_dim, backend=backend, **kw)
+    return Harness(
+        num_heads, num_kv_heads, dtype, head_dim=head_dim, window=window, backend=backend, **kw
+    )
 
 
 @needs_kernel
@@ -143,6 +156,26 @@ def test_decode_shared_group_of_many_members(dtype, num_heads, num_kv_heads, hea
 
 
 @needs_kernel
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128)])
+def test_sliding_window_matches_reference(dtype, num_heads, num_kv_heads, head_dim):
+    """Both kernels under a window beside a full layer: prompts shorter and longer than it,
+    blocks of 32 queries straddling its edge, an extend over a cached prefix far past it,
+    decodes long enough to be split over threads, and requests that share a prefix (read
+    once by the full layer, each on its own by the windowed one)."""
+    window = 40
+    h = cpu_harness(num_heads, num_kv_heads, dtype, head_dim, window, max_context_len=2048)
+    assert h.builder.backend.uses_kernel and h.builder.backend.uses_extend_kernel
+    assert h.step([(0, 5), (1, 100), (2, 1), (3, 1200)]) < TOL[dtype]
+    assert h.step([(0, 70), (1, 3), (3, 33)]) < TOL[dtype]
+    h.fork(3, 4)
+    h.fork(3, 5)
+    assert h.step([(4, 20), (5, 1)]) < TOL[dtype]
+    for _ in range(2):
+        assert h.step([(rid, 1) for rid in range(6)]) < TOL[dtype]
+
+
 def test_shared_prefixes_planner_thresholds():
     """Prefixes shorter than the threshold are not grouped; a lone request and a batch of one
     plan nothing; a group whose members diverge after 100 slots shares exactly those 100."""

@@ -176,6 +176,17 @@ def test_auto_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_attention_backend("flashinfer", "cpu", torch.bfloat16) == "flashinfer"
 
 
+def test_a_sliding_window_model_never_gets_flashinfer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FlashInfer is planned without the window here, so a windowed model gets torch_native
+    under auto and a clear error when flashinfer is asked for."""
+    monkeypatch.setattr(registry, "is_package_installed", lambda name: True)
+    assert resolve_attention_backend("auto", "cuda", torch.bfloat16, 4096) == "torch_native"
+    assert resolve_attention_backend("auto", "cpu", torch.float32, 4096) == "cpu"
+    assert resolve_attention_backend("cpu", "cpu", torch.float32, 4096) == "cpu"
+    with pytest.raises(ValueError, match="sliding-window"):
+        resolve_attention_backend("flashinfer", "cuda", torch.bfloat16, 4096)
+
+
 def test_flashinfer_missing_gives_install_hint(monkeypatch: pytest.MonkeyPatch) -> None:
     # The registry checks the requirement (srt.utils.registry), not attention.registry.
     monkeypatch.setattr(srt_registry, "is_package_installed", lambda name: False)

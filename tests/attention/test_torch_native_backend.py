@@ -14,15 +14,24 @@ from tests.srt.forward_helpers import ForwardBatchBuilder
 
 
 def reference_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefix_len: int,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """q [ext, H, D] at positions prefix_len.., k/v [S, Hkv, D] -> [ext, H, D] in float64."""
+    """q [ext, H, D] at positions prefix_len.., k/v [S, Hkv, D] -> [ext, H, D] in float64;
+    with `window`, position p sees keys p - window + 1..p (HF's sliding window)."""
     group = q.shape[1] // k.shape[1]
     k = k.double().repeat_interleave(group, dim=1)
     v = v.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
     query_pos = torch.arange(q.shape[0])[:, None] + prefix_len
-    visible = torch.arange(k.shape[0])[None, :] <= query_pos
+    key_pos = torch.arange(k.shape[0])[None, :]
+    visible = key_pos <= query_pos
+    if window is not None:
+        visible &= key_pos > query_pos - window
     scores = scores.masked_fill(~visible, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
@@ -36,11 +45,16 @@ class Harness:
         num_kv_heads: int,
         dtype: torch.dtype,
         head_dim: int = 16,
+        window: int | None = None,
         **builder_kwargs,  # page_size, device, backend, ... of ForwardBatchBuilder
     ):
+        """`window`: layer 1 attends through a sliding window of that many positions (layer
+        0 sees everything), as a Qwen2 model with `max_window_layers` mixes them; the backend
+        must be built with it."""
         self.h, self.hkv, self.d, self.dtype = num_heads, num_kv_heads, head_dim, dtype
         self.layers = [
-            RadixAttention(num_heads, head_dim, head_dim**-0.5, num_kv_heads, i) for i in range(2)
+            RadixAttention(num_heads, head_dim, head_dim**-0.5, num_kv_heads, 0),
+            RadixAttention(num_heads, head_dim, head_dim**-0.5, num_kv_heads, 1, window),
         ]
         self.builder = ForwardBatchBuilder(2, num_kv_heads, head_dim, dtype=dtype, **builder_kwargs)
         self.history: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -78,7 +92,12 @@ class Harness:
                 self.history[key] = (k_all, v_all)
                 q_req = q[start : start + n].view(n, self.h, self.d)
                 ref = reference_attention(
-                    q_req.cpu(), k_all.cpu(), v_all.cpu(), prefix_lens[rid], layer.scaling
+                    q_req.cpu(),
+                    k_all.cpu(),
+                    v_all.cpu(),
+                    prefix_lens[rid],
+                    layer.scaling,
+                    layer.sliding_window,
                 )
                 got = out[start : start + n].view(n, self.h, self.d).double().cpu()
                 worst = max(worst, (got - ref).abs().max().item())
@@ -107,6 +126,28 @@ def test_decode_batch(dtype: torch.dtype, num_heads: int, num_kv_heads: int):
     for _ in range(4):
         assert h.step([(0, 1), (1, 1), (2, 1), (3, 1)]) < TOL[dtype]
     assert h.step([(3, 1), (1, 1)]) < TOL[dtype]  # a sub-batch, rows out of order
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window_extend_and_decode(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch):
+    """A windowed layer beside a full one: prompts shorter and longer than the window, an
+    extend over a cached prefix longer than it (the chunked or cached case), query blocks
+    that straddle its edge, decodes in several length buckets."""
+    monkeypatch.setattr(decode_mod, "DECODE_BUCKET_MIN_REQS", 2)
+    window = 7
+    h = Harness(9, 3, dtype, window=window, backend=TorchNativeAttnBackend(sliding_window=window))
+    assert h.step([(0, 5), (1, 30), (2, 1), (3, 200)]) < TOL[dtype]
+    assert h.step([(0, 9), (1, 2), (3, 140)]) < TOL[dtype]
+    for _ in range(3):
+        assert h.step([(0, 1), (1, 1), (2, 1), (3, 1)]) < TOL[dtype]
+    h.fork(3, 4)  # a cached prefix far longer than the window, then more of the prompt
+    assert h.step([(4, 12)]) < TOL[dtype]
+
+
+def test_a_windowed_layer_needs_a_backend_built_with_its_window():
+    h = Harness(4, 4, torch.float32, window=7)
+    with pytest.raises(AssertionError, match="window"):
+        h.step([(0, 9)])
 
 
 def test_decode_plan_single_bucket():

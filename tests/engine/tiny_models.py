@@ -12,9 +12,12 @@ VOCAB = 512
 DEFAULT_MODEL_VOCAB = 49152  # the default model's tokenizer
 
 
-def tiny_config(arch: str, num_kv_heads: int = 2, vocab: int = VOCAB):
-    """A 2-layer config of `arch` with 4 query heads over `num_kv_heads` KV heads."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+def tiny_config(arch: str, num_kv_heads: int = 2, vocab: int = VOCAB, sliding_window: int = 8):
+    """A 2-layer config of `arch` with 4 query heads over `num_kv_heads` KV heads.
+
+    `mistral` attends through a window of `sliding_window` positions in both layers;
+    `qwen2-window` only in its second (`max_window_layers` 1), as HF's Qwen2 mixes them."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = {
         "vocab_size": vocab,
@@ -44,6 +47,18 @@ def tiny_config(arch: str, num_kv_heads: int = 2, vocab: int = VOCAB):
         )
     if arch == "qwen2":
         return Qwen2Config(**common, tie_word_embeddings=False)
+    # Head dim 64, which the CPU attention kernels are built for (16 falls back to torch).
+    wide = {**common, "hidden_size": 256, "intermediate_size": 256}
+    if arch == "mistral":
+        return MistralConfig(**wide, sliding_window=sliding_window, tie_word_embeddings=False)
+    if arch == "qwen2-window":
+        return Qwen2Config(
+            **wide,
+            use_sliding_window=True,
+            sliding_window=sliding_window,
+            max_window_layers=1,
+            tie_word_embeddings=False,
+        )
     if arch == "qwen3":
         return Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)
     raise ValueError(arch)

@@ -12,6 +12,9 @@
  *   pool_rows    int64 [B], seq_lens int64 [B]       tokens with KV, the new one included
  *   out          float32 [B, H, D]                   contiguous
  *
+ * window > 0 (a sliding-window layer): request b attends to its last `window` tokens only,
+ * and nothing is read as a shared prefix.
+ *
  * Query head h uses KV head h / G (G = H / Hkv). One work item is (request, split): it reads
  * each of its tokens' K and V rows (all KV heads) once for all H queries, in tiles of TILE
  * tokens with an online softmax (running max and sum, float32). Each tile's rows are first
@@ -85,16 +88,21 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
                            int64_t slot_stride, const int32_t *req_to_token, int64_t r2t_stride,
                            const int64_t *pool_rows, const int64_t *seq_lens,
                            const int64_t *leaders, const int64_t *shared_lens, int B, int H,
-                           int Hkv, int D, float scale, float *out, int num_threads) {
+                           int Hkv, int D, float scale, int64_t window, float *out,
+                           int num_threads) {
     if (!paged_decode_supports(H, Hkv, D)) return 2;
     const int G = H / Hkv;
-    /* Without a plan nothing is shared: every request its own leader, no common prefix. */
-    const int planned = leaders != NULL && shared_lens != NULL;
+    /* Without a plan (or under a window) nothing is shared: every request its own leader, no
+     * common prefix. */
+    const int planned = leaders != NULL && shared_lens != NULL && window <= 0;
 #define LEADER(b) (planned ? leaders[b] : (int64_t)(b))
 #define SHARED(b) (planned ? shared_lens[b] : (int64_t)0)
+/* A request's first token of its own: past the shared prefix, or the window's first. */
+#define OWN_BEGIN(b) \
+    (window > 0 && seq_lens[b] > window ? seq_lens[b] - window : SHARED(b))
     int64_t max_own = 0, max_chunks = 0, shared_items = 0;
     for (int b = 0; b < B; b++) {
-        const int64_t own = seq_lens[b] - SHARED(b);
+        const int64_t own = seq_lens[b] - OWN_BEGIN(b);
         const int64_t chunks = (SHARED(b) + SHARED_CHUNK - 1) / SHARED_CHUNK;
         max_own = own > max_own ? own : max_own;
         max_chunks = chunks > max_chunks ? chunks : max_chunks;
@@ -169,7 +177,7 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
             continue;
         }
         const int64_t b = (item - shared_items) / splits, split = (item - shared_items) % splits;
-        const int64_t own_begin = SHARED(b), n = seq_lens[b];
+        const int64_t own_begin = OWN_BEGIN(b), n = seq_lens[b];
         const int64_t chunk = (n - own_begin + splits - 1) / splits;
         const int64_t t_begin = own_begin + split * chunk;
         const int64_t t_end = t_begin + chunk < n ? t_begin + chunk : n;
@@ -202,5 +210,6 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
     }
 #undef LEADER
 #undef SHARED
+#undef OWN_BEGIN
     return 0;
 }

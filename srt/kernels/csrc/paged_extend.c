@@ -13,7 +13,8 @@
  *   out          float32 [T, H, D]                   contiguous
  *
  * New token i of request b sits at position prefix_lens[b] + i and sees keys 0..that
- * position (bottom-right causal); its K/V are already in the pool. One work item is
+ * position (bottom-right causal), or with window > 0 (a sliding-window layer) only the last
+ * `window` of them; its K/V are already in the pool. One work item is
  * (request, KV head, block of up to QB new tokens): its G * QB query rows (the G query heads
  * of the KV head, stacked) go over the keys the block's last token sees, KT keys at a time.
  * The item's queries are stored transposed once (qt[d][row]) and each key tile is copied
@@ -132,14 +133,14 @@ static inline __attribute__((always_inline)) void tile_values(float *o, const fl
 /* Scratch of one thread, for items of at most `rows` (a multiple of RV) query rows. */
 typedef struct {
     float *qt, *o, *st, *kb, *vb, *m, *l, *alpha;
-    int32_t *last_key;
+    int32_t *first_key, *last_key; /* per row: the keys it sees */
 } scratch_t;
 
 static int scratch_alloc(scratch_t *w, int rows, int D) {
     const size_t floats = (size_t)rows * D * 2 + (size_t)rows * KT + (size_t)D * KT * 2 +
                           (size_t)rows * 3;
     float *f = (float *)malloc(sizeof(float) * floats);
-    int32_t *last = (int32_t *)malloc(sizeof(int32_t) * rows);
+    int32_t *last = (int32_t *)malloc(sizeof(int32_t) * rows * 2);
     if (f == NULL || last == NULL) {
         free(f);
         free(last);
@@ -154,6 +155,7 @@ static int scratch_alloc(scratch_t *w, int rows, int D) {
     w->l = w->m + rows;
     w->alpha = w->l + rows;
     w->last_key = last;
+    w->first_key = last + rows;
     return 0;
 }
 
@@ -172,7 +174,7 @@ static int32_t max_last_key(const int32_t *last_key, int n) {
 static inline __attribute__((always_inline)) void run_item(
     const item_t *it, const float *q, const void *k_cache, const void *v_cache, int kv_bf16,
     int64_t slot_stride, const int32_t *slots, int64_t q_start, int64_t prefix_len, int H, int G,
-    const int D, float scale, float *out, scratch_t *w) {
+    const int D, float scale, int64_t window, float *out, scratch_t *w) {
     const int rows = G * it->nq;
     const int rp = (rows + RV - 1) / RV * RV; /* padded rows: the row stride of qt and st */
     /* Row r = g * nq + t: query head h * G + g of new token q0 + t, pre-scaled and stored
@@ -188,6 +190,8 @@ static inline __attribute__((always_inline)) void run_item(
             src[i] = r < rows ? q + ((q_start + it->q0 + t) * H + (int64_t)it->h * G + g) * D
                               : NULL;
             w->last_key[r] = (int32_t)(r < rows ? prefix_len + it->q0 + t : it->num_keys - 1);
+            const int64_t first = window > 0 ? w->last_key[r] - window + 1 : 0;
+            w->first_key[r] = (int32_t)(r < rows && first > 0 ? first : 0);
         }
         for (int d0 = 0; d0 < D; d0 += W) {
             vf block[W];
@@ -197,7 +201,11 @@ static inline __attribute__((always_inline)) void run_item(
             for (int i = 0; i < W; i++) store_f32(w->qt + (int64_t)(d0 + i) * rp + r0, block[i]);
         }
     }
-    for (int64_t k0 = 0; k0 < it->num_keys; k0 += KT) {
+    /* Under a window, keys before the block's first token's first visible key are skipped. */
+    const int64_t key_begin = window > 0 && prefix_len + it->q0 - window + 1 > 0
+                                  ? prefix_len + it->q0 - window + 1
+                                  : 0;
+    for (int64_t k0 = key_begin; k0 < it->num_keys; k0 += KT) {
         const int tn = (int)(it->num_keys - k0 < KT ? it->num_keys - k0 : KT);
         load_tiles(k_cache, v_cache, kv_bf16, slot_stride, slots + k0, tn, it->h, D, w->kb,
                    w->vb);
@@ -209,20 +217,23 @@ static inline __attribute__((always_inline)) void run_item(
                 tile_scores(w->qt + r0, rp, w->kb + (int64_t)j0 * D, D,
                             w->st + (int64_t)j0 * rp + r0);
         }
-        /* Online softmax, W rows at a time; keys past a row's last visible one become 0. */
+        /* Online softmax, W rows at a time; keys outside a row's visible ones become 0. */
         for (int r0 = 0; r0 < rp; r0 += W) {
-            vi last;
+            vi first, last;
+            memcpy(&first, w->first_key + r0, sizeof first);
             memcpy(&last, w->last_key + r0, sizeof last);
             vf m = load_f32(w->m + r0), tile_max = (vf){0} - FLT_MAX;
             for (int j = 0; j < tn; j++) {
-                const vi live = (vi){0} + (int32_t)(k0 + j) <= last;
+                const vi key = (vi){0} + (int32_t)(k0 + j);
+                const vi live = (key <= last) & (key >= first);
                 const vf s = load_f32(w->st + (int64_t)j * rp + r0);
                 tile_max = max_lanes(select_lanes(live, s, (vf){0} - FLT_MAX), tile_max);
             }
             const vf new_m = max_lanes(m, tile_max);
             vf sum = {0};
             for (int j = 0; j < tn; j++) {
-                const vi live = (vi){0} + (int32_t)(k0 + j) <= last;
+                const vi key = (vi){0} + (int32_t)(k0 + j);
+                const vi live = (key <= last) & (key >= first);
                 float *sj = w->st + (int64_t)j * rp + r0;
                 const vf p = select_lanes(live, exp_nonpos_v(load_f32(sj) - new_m), (vf){0});
                 store_f32(sj, p);
@@ -275,7 +286,8 @@ int paged_extend_attention(const float *q, const void *k_cache, const void *v_ca
                            int kv_bf16, int64_t slot_stride, const int32_t *req_to_token,
                            int64_t r2t_stride, const int64_t *pool_rows,
                            const int64_t *prefix_lens, const int64_t *extend_lens, int B, int H,
-                           int Hkv, int D, float scale, float *out, int num_threads) {
+                           int Hkv, int D, float scale, int64_t window, float *out,
+                           int num_threads) {
     if (!paged_extend_supports(H, Hkv, D)) return 2;
     const int G = H / Hkv;
     int64_t num_items = 0;
@@ -313,10 +325,10 @@ int paged_extend_attention(const float *q, const void *k_cache, const void *v_ca
             const int32_t *slots = req_to_token + pool_rows[it->b] * r2t_stride;
             if (ok && D == 64)
                 run_item(it, q, k_cache, v_cache, kv_bf16, slot_stride, slots, q_starts[it->b],
-                         prefix_lens[it->b], H, G, 64, scale, out, &w);
+                         prefix_lens[it->b], H, G, 64, scale, window, out, &w);
             else if (ok)
                 run_item(it, q, k_cache, v_cache, kv_bf16, slot_stride, slots, q_starts[it->b],
-                         prefix_lens[it->b], H, G, 128, scale, out, &w);
+                         prefix_lens[it->b], H, G, 128, scale, window, out, &w);
         }
         if (ok) scratch_free(&w);
     }
