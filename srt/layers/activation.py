@@ -26,3 +26,12 @@ class SiluAndMul(nn.Module, fused_kernels.CpuOpsUser):
             return ops.silu_and_mul(x)
         half = x.shape[-1] // 2
         return F.silu(x[..., :half]) * x[..., half:]
+
+
+class GeluTanhAndMul(nn.Module):
+    """x = [gate | up] along the last dim -> gelu_tanh(gate) * up (Gemma's GeGLU, HF's
+    `gelu_pytorch_tanh`). The torch code everywhere: no fused op computes it yet."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return F.gelu(x[..., :half], approximate="tanh") * x[..., half:]

@@ -26,7 +26,7 @@ from transformers import PretrainedConfig
 from attention.radix_attention import RadixAttention
 from srt.configs.model_config import layer_sliding_window
 from srt.distributed import HeadLayout, TPGroup, head_layout
-from srt.layers.activation import SiluAndMul
+from srt.layers.activation import GeluTanhAndMul, SiluAndMul
 from srt.layers.layernorm import RMSNorm
 from srt.layers.linear import MergedColumnLinear, QKVLinear, RowLinear
 from srt.layers.logits_processor import LogitsProcessor, logits_rows
@@ -71,14 +71,17 @@ class LlamaMLP(nn.Module):
         tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
-        if hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act {hidden_act!r}; only silu is supported")
+        activations = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}
+        if hidden_act not in activations:
+            raise ValueError(
+                f"unsupported hidden_act {hidden_act!r}; supported: {', '.join(activations)}"
+            )
         self.gate_up_proj = MergedColumnLinear(
             hidden_size, [intermediate_size] * 2, bias=bias, tp=tp
         )
         # gate and up are cut by the same balanced range, which down_proj's input matches
         self.down_proj = RowLinear(intermediate_size, hidden_size, bias=bias, tp=tp)
-        self.act_fn = SiluAndMul()
+        self.act_fn = activations[hidden_act]()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -95,7 +98,11 @@ class LlamaAttention(nn.Module):
         qk_norm: bool,
         tp: TPGroup,
         layout: HeadLayout,
+        scaling: float | None = None,
+        norm: type[RMSNorm] = RMSNorm,
     ) -> None:
+        """`scaling`: of the scores (default head_dim ** -0.5); `norm`: the q/k norms'
+        class (Gemma's stores 1 + weight)."""
         super().__init__()
         total_heads, total_kv_heads = config_num_heads(config)
         self.num_heads = layout.num_heads  # this rank's
@@ -117,13 +124,13 @@ class LlamaAttention(nn.Module):
             tp=tp,
             input_range=(q_start * self.head_dim, q_end * self.head_dim),
         )
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.q_norm = norm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = norm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary_emb = rotary_emb
         self.attn = RadixAttention(
             self.num_heads,
             self.head_dim,
-            self.head_dim**-0.5,
+            self.head_dim**-0.5 if scaling is None else scaling,
             self.num_kv_heads,
             layer_id,
             layer_sliding_window(config, layer_id),
@@ -282,13 +289,18 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp or TPGroup.single()
         # A ValueError here when the heads cannot be split over the ranks.
         self.head_layout = head_layout(*config_num_heads(config), self.tp.size, self.tp.rank)
-        qkv_bias, o_bias = self.attention_biases(config)
-        self.model = LlamaModel(config, qkv_bias, o_bias, self.qk_norm, self.tp, self.head_layout)
+        self.model = self.make_model(config)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp=self.tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(config.vocab_size, self.tp)
+
+    def make_model(self, config: PretrainedConfig) -> nn.Module:
+        """The decoder (embedding .. final norm), `forward(input_ids, positions,
+        forward_batch, keep)`; a family with other layers builds its own here."""
+        qkv_bias, o_bias = self.attention_biases(config)
+        return LlamaModel(config, qkv_bias, o_bias, self.qk_norm, self.tp, self.head_layout)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch

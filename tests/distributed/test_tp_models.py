@@ -11,6 +11,8 @@ import pytest
 import torch
 from torch import nn
 
+from attention.torch_native_backend import TorchNativeAttnBackend
+from srt.configs.model_config import model_sliding_window
 from srt.distributed import TPGroup, head_layout
 from srt.model_loader.loader import DUMMY_HIGH, DUMMY_LOW, DUMMY_SEED, init_dummy_weights
 from tests.distributed.tp_harness import TPRanks
@@ -52,14 +54,46 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
             "tie_word_embeddings": False,
         },
     ),
+    # A window of 4 over prompts of 7 and 3 tokens and a decode step.
+    "mistral": (
+        "MistralForCausalLM",
+        {
+            "hidden_size": 32,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 40,
+            "vocab_size": 101,
+            "sliding_window": 4,
+        },
+    ),
+    "gemma3": (
+        "Gemma3ForCausalLM",
+        {
+            "hidden_size": 32,
+            "head_dim": 16,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 40,
+            "vocab_size": 102,
+            "sliding_window": 4,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 24,
+            "final_logit_softcapping": 30.0,
+            "tie_word_embeddings": False,
+        },
+    ),
 }
+# Where the config class is not the architecture's name with "Config".
+CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}
 
 
 def _config(name: str) -> Any:
     import transformers
 
     arch, kwargs = MODELS[name]
-    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    config_cls = getattr(
+        transformers, CONFIG_CLASSES.get(arch, arch.replace("ForCausalLM", "Config"))
+    )
     config = config_cls(
         num_hidden_layers=2, max_position_embeddings=128, rms_norm_eps=1e-6, **kwargs
     )
@@ -190,7 +224,10 @@ def _forward_logits(model: nn.Module, num_kv_heads: int) -> list[torch.Tensor]:
 
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    builder = ForwardBatchBuilder(config.num_hidden_layers, num_kv_heads, head_dim, num_slots=64)
+    backend = TorchNativeAttnBackend(sliding_window=model_sliding_window(config))
+    builder = ForwardBatchBuilder(
+        config.num_hidden_layers, num_kv_heads, head_dim, num_slots=64, backend=backend
+    )
     prompts = [[3, 17, 50, 2, 98, 7, 41], [60, 1, 22]]
     total = sum(map(len, prompts))
     logits = []
@@ -219,7 +256,10 @@ def _model_pair(tp: TPGroup, name: str, prepack: bool) -> list[torch.Tensor]:
     return got
 
 
-@pytest.mark.parametrize(("name", "prepack"), [("llama", True), ("qwen2", False), ("qwen3", True)])
+@pytest.mark.parametrize(
+    ("name", "prepack"),
+    [("llama", True), ("qwen2", False), ("qwen3", True), ("mistral", True), ("gemma3", True)],
+)
 def test_model_forward_tp2_equals_tp1(tp2: TPRanks, name: str, prepack: bool) -> None:
     r0, r1 = tp2.run(_model_pair, name, prepack)
     for a, b in zip(r0, r1, strict=True):

@@ -1,5 +1,6 @@
-"""Sliding-window attention against HF transformers: a tiny Mistral (every layer windowed)
-and a tiny Qwen2 with `use_sliding_window` (its second layer only), window 8, prompts up to
+"""Sliding-window attention against HF transformers: a tiny Mistral (every layer windowed),
+a tiny Qwen2 with `use_sliding_window` (its second layer only) and a tiny Gemma 3 (its first
+layer only, with its own RoPE base), window 8, prompts up to
 six windows long. Greedy tokens equal HF's `generate` on both CPU backends and both loops,
 with chunked prefill (chunks of 16), again from the radix cache (a cached prefix far longer
 than the window), and after retraction. A test checks that the window changes HF's tokens
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from managers.inprocess import InProcessDriver
-from srt.configs.model_config import ModelConfig
+from srt.configs.model_config import ModelConfig, layer_sliding_window
 from srt.server_args import ServerArgs
 from tests.engine.hf_reference import assert_greedy_equal, hf_greedy
 from tests.engine.tiny_models import VOCAB, save_tiny_model
@@ -29,14 +30,22 @@ def prompts(seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(2, VOCAB - 1) for _ in range(n)] for n in LENGTHS]
 
 
-@pytest.fixture(scope="module", params=["mistral", "qwen2-window"])
+# The layers each tiny model windows (`tiny_models.tiny_config`).
+WINDOWED_LAYERS = {
+    "mistral": [WINDOW, WINDOW],
+    "qwen2-window": [None, WINDOW],
+    "gemma3": [WINDOW, None],
+}
+
+
+@pytest.fixture(scope="module", params=list(WINDOWED_LAYERS))
 def model(request, tmp_path_factory) -> tuple[str, list[list[int]], object]:
-    """(folder, HF's greedy tokens of `prompts()`, the HF model)."""
+    """(folder, HF's greedy tokens of `prompts()`, the HF model, the architecture)."""
     from transformers import AutoModelForCausalLM
 
     folder = save_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    return str(folder), [hf_greedy(hf, p, NEW_TOKENS) for p in prompts()], hf
+    return str(folder), [hf_greedy(hf, p, NEW_TOKENS) for p in prompts()], hf, request.param
 
 
 def driver(folder: str, **args) -> InProcessDriver:
@@ -52,21 +61,17 @@ def check(hf, outs: list[dict], refs: list[list[int]]) -> None:
 
 
 def test_the_config_marks_the_windowed_layers(model) -> None:
-    folder, _, _ = model
+    folder, _, _, arch = model
     config = ModelConfig.from_path(folder, dtype="float32")
     assert config.sliding_window == WINDOW
-    from srt.configs.model_config import layer_sliding_window
-
     layers = [layer_sliding_window(config.hf_config, i) for i in range(2)]
-    assert layers == (
-        [WINDOW, WINDOW] if "MistralForCausalLM" in config.architectures else [None, WINDOW]
-    )
+    assert layers == WINDOWED_LAYERS[arch]
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch_native"])
 @pytest.mark.parametrize("overlap", [False, True])
 def test_greedy_equals_hf_chunked_and_cached(model, backend: str, overlap: bool) -> None:
-    folder, refs, hf = model
+    folder, refs, hf, _ = model
     d = driver(
         folder,
         attention_backend=backend,
@@ -85,7 +90,7 @@ def test_greedy_equals_hf_chunked_and_cached(model, backend: str, overlap: bool)
 def test_greedy_equals_hf_after_retraction(model) -> None:
     """Six requests outgrow a 300-token pool (the admission reserve underestimates their
     growth), so some are retracted and recomputed."""
-    folder, _, hf = model
+    folder, _, hf, _ = model
     rng = random.Random(4)
     batch = [[rng.randrange(2, VOCAB - 1) for _ in range(n)] for n in (30, 40, 35, 45, 32, 38)]
     params = {**GREEDY, "max_new_tokens": 48}
@@ -97,12 +102,12 @@ def test_greedy_equals_hf_after_retraction(model) -> None:
 
 
 def test_the_window_changes_hf_tokens(model) -> None:
-    """Without its window, HF's own model gives other tokens for these prompts."""
+    """With a window wider than the sequences, HF's own model gives other tokens for these
+    prompts."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    folder, refs, _ = model
+    folder, refs, _, _ = model
     config = AutoConfig.from_pretrained(folder)
-    config.sliding_window = None
-    config.layer_types = ["full_attention"] * config.num_hidden_layers
+    config.sliding_window = 4096  # wider than every sequence: the same layers, no window
     full = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=torch.float32)
     assert hf_greedy(full.eval(), prompts()[0], NEW_TOKENS) != refs[0]

@@ -51,6 +51,26 @@ def tiny_config(arch: str, num_kv_heads: int = 2, vocab: int = VOCAB, sliding_wi
     wide = {**common, "hidden_size": 256, "intermediate_size": 256}
     if arch == "mistral":
         return MistralConfig(**wide, sliding_window=sliding_window, tie_word_embeddings=False)
+    if arch == "gemma3":
+        from transformers import Gemma3TextConfig
+
+        # One local layer (window, base 10000) and one global (base 1e6, linear scaling); a
+        # score scale unlike head_dim ** -0.5, and final logit soft-capping.
+        return Gemma3TextConfig(
+            **{**wide, "hidden_size": 64, "intermediate_size": 128},
+            head_dim=64,
+            query_pre_attn_scalar=48,
+            sliding_window=sliding_window,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0},
+            },
+            final_logit_softcapping=30.0,
+            # Untied: a tied random model's scaled embeddings make it repeat its input.
+            tie_word_embeddings=False,
+            architectures=["Gemma3ForCausalLM"],
+        )
     if arch == "qwen2-window":
         return Qwen2Config(
             **wide,
@@ -74,6 +94,12 @@ def save_tiny_model(
     torch.manual_seed(seed)
     config = tiny_config(arch, num_kv_heads=num_kv_heads, vocab=vocab)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch == "gemma3":
+        # HF starts Gemma's norm weights at 0 (a scale of 1); random ones check the 1 + w.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.normal_(0.0, 0.5)
     model.save_pretrained(folder)
     return folder
 

@@ -1,0 +1,171 @@
+"""Gemma 3 text models (`Gemma3ForCausalLM`: Gemma 3 1B, and the text config of the larger
+ones saved as such), on the Llama building blocks.
+
+What differs from Llama, as HF's `modeling_gemma3` computes it:
+- RMSNorm scales by `1 + weight`: `GemmaRMSNorm` adds the 1 when the weight is loaded, so the
+  shared norm (and its CPU kernel) runs unchanged (float32-exact; in bfloat16 HF multiplies
+  before rounding, Llama's rule rounds first: a last-bit difference);
+- four norms per layer: before and after attention, before and after the MLP;
+- q/k norms, scores scaled by `query_pre_attn_scalar ** -0.5`;
+- local layers (`layer_types` "sliding_attention", 5 of every 6) attend through the sliding
+  window with their own RoPE base (`rope_parameters`), global layers see everything;
+- GeGLU MLP (`gelu_pytorch_tanh`), embeddings scaled by sqrt(hidden_size) in the weight
+  dtype, tied LM head, and optional final logit soft-capping (cap * tanh(logits / cap)).
+Attention-score soft-capping (Gemma 2) is not supported: such a config is refused.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from srt.distributed import HeadLayout, TPGroup
+from srt.layers.layernorm import RMSNorm
+from srt.layers.rotary_embedding import RotaryEmbedding, get_rope
+from srt.layers.vocab_embedding import VocabEmbedding
+from srt.layers.weight_utils import default_weight_loader, set_weight_loader
+from srt.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, config_head_dim
+
+if TYPE_CHECKING:
+    from srt.model_executor.forward_batch import ForwardBatch
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's norm, x̂ * (1 + w), held as the Llama norm of weight 1 + w."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(hidden_size, eps)
+        set_weight_loader(self.weight, _load_plus_one)
+
+
+def _load_plus_one(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    default_weight_loader(param, loaded_weight.float() + 1.0)
+
+
+def _rope(config: PretrainedConfig, layer_type: str, head_dim: int) -> RotaryEmbedding:
+    params = config.rope_parameters[layer_type]
+    scaling = params if params.get("rope_type", "default") != "default" else None
+    return get_rope(
+        head_dim, head_dim, config.max_position_embeddings, float(params["rope_theta"]), scaling
+    )
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        layer_id: int,
+        rotary_emb: RotaryEmbedding,
+        tp: TPGroup,
+        layout: HeadLayout,
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(
+            config,
+            layer_id,
+            rotary_emb,
+            bool(config.attention_bias),
+            bool(config.attention_bias),
+            True,
+            tp,
+            layout,
+            scaling=config.query_pre_attn_scalar**-0.5,
+            norm=GemmaRMSNorm,
+        )
+        self.mlp = LlamaMLP(
+            config.hidden_size, config.intermediate_size, config.hidden_activation, tp=tp
+        )
+        eps = config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        forward_batch: ForwardBatch,
+        keep: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (post-MLP-norm output, residual), as `LlamaDecoderLayer` does: the next
+        layer's input norm (or the final norm) adds them."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, forward_batch, keep)
+        if keep is not None:
+            residual = residual.index_select(0, keep)
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
+        hidden_states = self.post_feedforward_layernorm(self.mlp(hidden_states))
+        return hidden_states, residual
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, config: PretrainedConfig, tp: TPGroup, layout: HeadLayout) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp=tp)
+        self.embed_scale = config.hidden_size**0.5
+        head_dim = config_head_dim(config)
+        ropes = {kind: _rope(config, kind, head_dim) for kind in set(config.layer_types)}
+        self.local_rotary_emb = ropes.get("sliding_attention")
+        self.global_rotary_emb = ropes.get("full_attention")
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(config, i, ropes[kind], tp, layout)
+            for i, kind in enumerate(config.layer_types)
+        )
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.fused_decode = None  # the CPU fused decode layer does not run Gemma's
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch: ForwardBatch,
+        keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states of every new token, or of rows `keep` only."""
+        hidden_states = self.embed_tokens(input_ids)
+        # HF scales in the weight dtype (a bfloat16 scale in a bfloat16 model).
+        hidden_states = hidden_states * torch.tensor(self.embed_scale, dtype=hidden_states.dtype)
+        residual: torch.Tensor | None = None
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            hidden_states, residual = layer(
+                positions, hidden_states, residual, forward_batch, keep if i == last else None
+            )
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """`forward(input_ids, positions, forward_batch) -> float32 logits [N, vocab]`, as
+    `LlamaForCausalLM`'s (whose weight loading, row selection and pooling it keeps)."""
+
+    def __init__(self, config: PretrainedConfig, tp: TPGroup | None = None) -> None:
+        if getattr(config, "attn_logit_softcapping", None):
+            raise ValueError(
+                "attention-score soft-capping (attn_logit_softcapping, Gemma 2) is not supported"
+            )
+        super().__init__(config, tp)
+        self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
+
+    def make_model(self, config: PretrainedConfig) -> nn.Module:
+        return Gemma3Model(config, self.tp, self.head_layout)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        logits = super().forward(input_ids, positions, forward_batch)
+        cap = self.final_logit_softcapping
+        if cap:
+            # Monotonic: an argmax-only batch's logits keep their argmax.
+            logits = torch.tanh(logits / cap) * cap
+        return logits
