@@ -54,6 +54,8 @@ def _qualifies(layer: Any) -> str | None:
         return "q/k norm"
     if attn.attn.sliding_window is not None:
         return "sliding-window attention"
+    if not hasattr(mlp, "gate_up_proj"):
+        return "a sparse (mixture-of-experts) MLP"
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if any(m.tp.size != 1 for m in (attn.o_proj, mlp.down_proj)):
         return "tensor parallelism"

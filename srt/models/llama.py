@@ -325,6 +325,11 @@ class LlamaForCausalLM(nn.Module):
         only: what an embedding server pools. Replicated on every tensor-parallel rank."""
         return self.model(input_ids, positions, forward_batch, keep)
 
+    def load_special_weight(self, name: str, tensor: torch.Tensor) -> str | None:
+        """A family's own checkpoint tensors (a mixture-of-experts model's experts): load
+        `tensor` and return the parameter it went into, or None for the common path."""
+        return None
+
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], need_lm_head: bool = True
     ) -> None:
@@ -340,6 +345,10 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if not name.startswith(("model.", "lm_head.")):
                 name = "model." + name
+            special = self.load_special_weight(name, tensor)
+            if special is not None:
+                loaded.setdefault(special, set()).add(None)
+                continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # shared with the embedding, which the checkpoint also holds
             shard_id: str | int | None = None

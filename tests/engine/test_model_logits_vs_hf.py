@@ -20,7 +20,9 @@ from tests.srt.forward_helpers import ForwardBatchBuilder
 DECODE_STEPS = 32
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "qwen2-window", "gemma3"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen2", "qwen3", "mistral", "qwen2-window", "gemma3", "qwen3-moe", "mixtral"]
+)
 def test_logits_equal_hf_prefill_and_decode(arch: str, tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 

@@ -51,6 +51,27 @@ def tiny_config(arch: str, num_kv_heads: int = 2, vocab: int = VOCAB, sliding_wi
     wide = {**common, "hidden_size": 256, "intermediate_size": 256}
     if arch == "mistral":
         return MistralConfig(**wide, sliding_window=sliding_window, tie_word_embeddings=False)
+    if arch == "qwen3-moe":
+        from transformers import Qwen3MoeConfig
+
+        # Layer 0 dense (mlp_only_layers), layer 1 sparse: 4 experts, top 2, not renormalised.
+        return Qwen3MoeConfig(
+            **common,
+            head_dim=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            decoder_sparse_step=1,
+            mlp_only_layers=[0],
+            norm_topk_prob=False,
+            tie_word_embeddings=False,
+        )
+    if arch == "mixtral":
+        from transformers import MixtralConfig
+
+        return MixtralConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False
+        )
     if arch == "gemma3":
         from transformers import Gemma3TextConfig
 
