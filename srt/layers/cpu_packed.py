@@ -249,9 +249,13 @@ def apply_linear(
 
 def prepack_cpu_weights(model: nn.Module) -> int:
     """Pack every linear weight of a CPU model (each module with a `pack_for_cpu()`: the
-    linear layers and the LM head); returns how many were packed. The panels then move into
-    one arena (`panels_onto_huge_pages`)."""
-    packed = [m.packed for m in model.modules() if hasattr(m, "pack_for_cpu") and m.pack_for_cpu()]
+    linear layers, the LM head, the experts of a sparse MLP, which hold several and list
+    them in `packed_weights()`); returns how many were packed. The panels then move into one
+    arena (`panels_onto_huge_pages`)."""
+    packed: list[PackedWeight] = []
+    for m in model.modules():
+        if hasattr(m, "pack_for_cpu") and m.pack_for_cpu():
+            packed += m.packed_weights() if hasattr(m, "packed_weights") else [m.packed]
     logger.info("CPU weights: %d matmul weights prepacked", len(packed))
     panels_onto_huge_pages(packed)
     return len(packed)

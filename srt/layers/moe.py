@@ -11,7 +11,9 @@ weights once. `forward_per_token` is the reference it is tested against (and the
 `python -m bench.moe_step`): every token's experts one at a time.
 
 Weights: `w13` [E, 2 * inter, hidden] (gate rows, then up rows) and `w2` [E, hidden, inter],
-loaded expert by expert from HF's per-expert tensors (`load_expert`). Tensor parallelism
+loaded expert by expert from HF's per-expert tensors (`load_expert`); on a CPU each expert's
+two weights are packed like a dense linear's (`pack_for_cpu`): `F.linear` on a plain weight
+re-blocks it every call, which at an expert's few rows costs more than the product. Tensor parallelism
 shards every expert's intermediate dimension (this rank's balanced range of gate, up and the
 matching columns of down), so each rank computes a partial sum of every expert's output and
 one all-reduce per layer completes it, as the dense MLP's row-parallel down projection does.
@@ -25,6 +27,7 @@ from torch import nn
 
 from srt.distributed import TPGroup
 from srt.distributed.partition import balanced_range
+from srt.layers.cpu_packed import PackedWeight, apply_linear
 
 # HF's per-expert names -> which part of the fused weights they are.
 GATE, UP, DOWN = "gate", "up", "down"
@@ -50,6 +53,19 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, inter))
+        # Per expert, the packed copies the CPU matmuls read (`pack_for_cpu`); None: F.linear.
+        self.packed13: list[PackedWeight | None] = [None] * num_experts
+        self.packed2: list[PackedWeight | None] = [None] * num_experts
+
+    def pack_for_cpu(self) -> bool:
+        """Pack every expert's two weights as a dense linear's are (`cpu_packed.py`): the
+        small-row panels matter most here, an expert's share of a step being a few rows."""
+        self.packed13 = [PackedWeight.pack(w) for w in self.w13]
+        self.packed2 = [PackedWeight.pack(w) for w in self.w2]
+        return bool(self.packed_weights())
+
+    def packed_weights(self) -> list[PackedWeight]:
+        return [p for p in self.packed13 + self.packed2 if p is not None]
 
     def load_expert(self, expert: int, part: str, full: torch.Tensor) -> None:
         """One expert's HF tensor (gate or up [inter, hidden], down [hidden, inter]), cut to
@@ -71,8 +87,9 @@ class SparseMoE(nn.Module):
         return weights.to(x.dtype), ids
 
     def _expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
-        gate_up = rows @ self.w13[e].t()
-        return (F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :]) @ self.w2[e].t()
+        gate_up = apply_linear(rows, self.w13[e], None, self.packed13[e])
+        act = F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :]
+        return apply_linear(act, self.w2[e], None, self.packed2[e])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
@@ -80,16 +97,19 @@ class SparseMoE(nn.Module):
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         tokens = order // self.top_k
-        pair_weights = weights.reshape(-1)[order]
-        out = torch.zeros_like(x)
+        # Each pair's expert output, in expert order; then back in (token, slot) order by one
+        # gather, and summed over the slots. (CPU index_add_ into [T, hidden] took ~10 ms a
+        # call even for one row: a scatter per expert would cost more than the GEMMs.)
+        ys = x.new_empty(flat.numel(), x.shape[-1])
         start = 0
         for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            group = tokens[start : start + n]
-            y = self._expert(e, x.index_select(0, group))
-            out.index_add_(0, group, y * pair_weights[start : start + n, None])
-            start += n
+            if n:
+                ys[start : start + n] = self._expert(
+                    e, x.index_select(0, tokens[start : start + n])
+                )
+                start += n
+        pairs = ys.index_select(0, torch.argsort(order)).view(*ids.shape, -1)
+        out = (pairs * weights.unsqueeze(-1)).sum(dim=1)
         return self.tp.all_reduce(out)
 
     def forward_per_token(self, x: torch.Tensor) -> torch.Tensor:

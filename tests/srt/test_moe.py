@@ -53,3 +53,13 @@ def test_experts_load_by_part() -> None:
     for part, t in ((GATE, gate), (UP, up), (DOWN, down)):
         moe.load_expert(1, part, t)
     assert torch.equal(moe.w13[1], torch.cat([gate, up])) and torch.equal(moe.w2[1], down)
+
+
+@pytest.mark.parametrize("tokens", [1, 9, 70])  # small rows take the panels, 70 the library
+def test_packed_experts_equal_the_plain_weights(tokens: int) -> None:
+    moe = _moe(True)
+    x = torch.randn(tokens, 64)
+    with torch.inference_mode():
+        plain = moe(x)
+        assert moe.pack_for_cpu() and len(moe.packed_weights()) == 16
+        torch.testing.assert_close(moe(x), plain, rtol=1e-5, atol=1e-5)
