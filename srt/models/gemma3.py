@@ -27,7 +27,13 @@ from srt.layers.layernorm import RMSNorm
 from srt.layers.rotary_embedding import RotaryEmbedding, get_rope
 from srt.layers.vocab_embedding import VocabEmbedding
 from srt.layers.weight_utils import default_weight_loader, set_weight_loader
-from srt.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, config_head_dim
+from srt.models.llama import (
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaMLP,
+    config_head_dim,
+    norm_and_attend,
+)
 
 if TYPE_CHECKING:
     from srt.model_executor.forward_batch import ForwardBatch
@@ -94,14 +100,9 @@ class Gemma3DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (post-MLP-norm output, residual), as `LlamaDecoderLayer` does: the next
         layer's input norm (or the final norm) adds them."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, forward_batch, keep)
-        if keep is not None:
-            residual = residual.index_select(0, keep)
+        hidden_states, residual = norm_and_attend(
+            self, positions, hidden_states, residual, forward_batch, keep
+        )
         hidden_states = self.post_attention_layernorm(hidden_states)
         hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
         hidden_states = self.post_feedforward_layernorm(self.mlp(hidden_states))

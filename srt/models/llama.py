@@ -196,16 +196,33 @@ class LlamaDecoderLayer(nn.Module):
         """Returns (mlp output, residual); the next layer's norm fuses the residual add.
         With `keep` (row indices) both are those rows only: past the attention every
         operation is per row, so the others need not be computed."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, forward_batch, keep)
-        if keep is not None:
-            residual = residual.index_select(0, keep)
+        hidden_states, residual = norm_and_attend(
+            self, positions, hidden_states, residual, forward_batch, keep
+        )
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
+
+
+def norm_and_attend(
+    layer: nn.Module,
+    positions: torch.Tensor,
+    hidden_states: torch.Tensor,
+    residual: torch.Tensor | None,
+    forward_batch: ForwardBatch,
+    keep: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """How a decoder layer starts (Llama's and Gemma's): its input norm, which adds the
+    previous layer's output to the residual, then attention; with `keep`, both results are
+    those rows only. Returns (attention output, residual)."""
+    if residual is None:
+        residual = hidden_states
+        hidden_states = layer.input_layernorm(hidden_states)
+    else:
+        hidden_states, residual = layer.input_layernorm(hidden_states, residual)
+    hidden_states = layer.self_attn(positions, hidden_states, forward_batch, keep)
+    if keep is not None:
+        residual = residual.index_select(0, keep)
+    return hidden_states, residual
 
 
 class LlamaModel(nn.Module):
