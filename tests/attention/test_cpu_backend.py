@@ -285,6 +285,17 @@ def test_build_failure_falls_back(monkeypatch, tmp_path, caplog):
             load.cache_clear()
 
 
+@pytest.mark.skipif(
+    shutil.which("gcc") is None and shutil.which("cc") is None, reason="no C compiler"
+)
+@pytest.mark.parametrize("source", sorted(p.name for p in build.CSRC.glob("*.c")))
+def test_every_kernel_source_compiles_where_a_compiler_is(source):
+    """Where a compiler exists a kernel must build: a source that stops compiling (one file's
+    signature changed, another still calls the old one) would otherwise only show as a
+    fallback to the torch path, every kernel test of it skipped."""
+    build.build_library(source)  # raises with the compiler's output
+
+
 @needs_kernel
 def test_build_is_cached_by_content(monkeypatch, tmp_path):
     """A fresh cache builds once; a second build returns the same file without compiling."""
