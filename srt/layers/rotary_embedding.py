@@ -1,12 +1,14 @@
 """Rotary position embedding with a precomputed float32 cos/sin cache.
 
-Supported `rope_scaling` types (HF config names): default, `linear`, `dynamic` (NTK) and
-`llama3`. Frequencies are computed the way HF computes them, in float32, so logits match.
+Supported `rope_scaling` types (HF config names): default, `linear`, `dynamic` (NTK),
+`llama3` and `longrope` (Phi-3's). Frequencies are computed the way HF computes them, in float32, so logits match.
 
 `dynamic` is causal here: a position below `max_position` uses the plain frequencies and a
 position p at or beyond it uses the NTK base for a sequence of length p + 1. That is what HF
 produces when it generates token by token with a KV cache; HF's full re-forward of a long
 sequence instead rescales every position with the final length, which a KV cache cannot do.
+`longrope` is causal in the same way (short factors below the original context, long ones
+from there on).
 """
 
 from __future__ import annotations
@@ -219,15 +221,53 @@ def get_rope(
         inv_freq = _dynamic_ntk_inv_freq(
             base, rotary_dim, max_position, rope_scaling["factor"], length, device
         )
+    elif rope_type == "longrope":
+        inv_freq = _longrope_inv_freq(base, rotary_dim, max_position, rope_scaling, device)
     else:
         raise ValueError(
             f"unsupported rope_scaling type {rope_type!r}; supported: default, linear, "
-            "dynamic, llama3"
+            "dynamic, llama3, longrope"
         )
     positions = torch.arange(length, dtype=torch.int64, device=device).float()[:, None]
     freqs = positions * (inv_freq if inv_freq.dim() == 2 else inv_freq[None, :])
     cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    if rope_type == "longrope":
+        cache = cache * _longrope_attention_factor(max_position, rope_scaling)
     return RotaryEmbedding(head_dim, rotary_dim, cache, is_neox_style)
+
+
+def _longrope_original(max_position: int, scaling: dict[str, Any]) -> int:
+    return int(scaling.get("original_max_position_embeddings") or max_position)
+
+
+def _longrope_inv_freq(
+    base: float, rotary_dim: int, max_position: int, scaling: dict[str, Any], device: Any
+) -> torch.Tensor:
+    """Phi-3's LongRoPE (`su`): frequencies divided per dimension by `short_factor` below
+    `original_max_position_embeddings` and by `long_factor` from there on, [max_position,
+    rotary_dim / 2]. Causal, like `dynamic`: what HF's model computes token by token with a
+    KV cache. HF's `generate` differs once a sequence outgrows the original context: it then
+    recomputes every position with the long factors (and a prompt longer than it is long
+    throughout); here the positions already cached keep the short ones, as in vLLM."""
+    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).float() / rotary_dim
+    powers = base**exponent
+    short = 1.0 / (
+        torch.tensor(scaling["short_factor"], dtype=torch.float32, device=device) * powers
+    )
+    long = 1.0 / (torch.tensor(scaling["long_factor"], dtype=torch.float32, device=device) * powers)
+    positions = torch.arange(max_position, device=device)
+    past = (positions >= _longrope_original(max_position, scaling))[:, None]
+    return torch.where(past, long[None, :], short[None, :])
+
+
+def _longrope_attention_factor(max_position: int, scaling: dict[str, Any]) -> float:
+    """HF's scale of cos and sin: `attention_factor`, else sqrt(1 + ln(factor) / ln(original))
+    for the context extension factor max_position / original (1 when not extended)."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = _longrope_original(max_position, scaling)
+    factor = float(scaling.get("factor") or max_position / original)
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def rope_settings_from_config(config: Any) -> tuple[float, dict[str, Any] | None, float]:

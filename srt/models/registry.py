@@ -16,6 +16,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("srt.models.llama", "LlamaForCausalLM"),
     "MistralModel": ("srt.models.llama", "LlamaForCausalLM"),
     "MixtralForCausalLM": ("srt.models.moe", "MixtralForCausalLM"),
+    # Phi-3 / Phi-4-mini: the Llama decoder; its checkpoint's qkv_proj and gate_up_proj are
+    # already merged, and its LongRoPE is a rope_scaling type.
+    "Phi3ForCausalLM": ("srt.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("srt.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen2Model": ("srt.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("srt.models.qwen3", "Qwen3ForCausalLM"),

@@ -97,6 +97,25 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
             "vocab_size": 104,
         },
     ),
+    # Merged qkv_proj / gate_up_proj checkpoint tensors cut by the ranks; LongRoPE.
+    "phi3": (
+        "Phi3ForCausalLM",
+        {
+            "hidden_size": 32,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 40,
+            "vocab_size": 105,
+            "partial_rotary_factor": 0.5,
+            "original_max_position_embeddings": 4,
+            "rope_scaling": {
+                "type": "longrope",
+                "short_factor": [1.0, 1.5],
+                "long_factor": [2.0, 4.0],
+            },
+            "pad_token_id": 0,
+        },
+    ),
     "gemma3": (
         "Gemma3ForCausalLM",
         {
@@ -222,8 +241,9 @@ def test_get_model_reads_a_checkpoint_into_shards(tp2: TPRanks, tmp_path: Path) 
         assert torch.equal(_gather(single.config, param, [s[param] for s in states]), full)
 
 
-def _hf_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Random weights for `model` (a tp=1 model) under HF's separate q/k/v, gate/up names."""
+def _hf_weights(model: nn.Module, merged: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """Random weights for `model` (a tp=1 model) under HF's separate q/k/v, gate/up names,
+    or (`merged`, as Phi-3 checkpoints hold them) one qkv_proj and one gate_up_proj."""
     gen = torch.Generator().manual_seed(4)
     attn = model.model.layers[0].self_attn.qkv_proj
     out: list[tuple[str, torch.Tensor]] = []
@@ -232,7 +252,9 @@ def _hf_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
             full = 1.0 + 0.2 * torch.randn(param.shape, generator=gen)
         else:
             full = 0.08 * torch.randn(param.shape, generator=gen)
-        if "qkv_proj" in name:
+        if merged:
+            out.append((name, full))
+        elif "qkv_proj" in name:
             parts = full.split([attn.q_size, attn.kv_size, attn.kv_size])
             out += [
                 (name.replace("qkv_proj", p), t)
@@ -284,7 +306,7 @@ def _model_pair(tp: TPGroup, name: str, prepack: bool) -> list[torch.Tensor]:
     from srt.layers.cpu_packed import prepack_cpu_weights
 
     single, part = _build(name), _build(name, tp)
-    weights = _hf_weights(single)
+    weights = _hf_weights(single, merged=name == "phi3")
     single.load_weights(weights)
     part.load_weights(weights)
     if prepack:
@@ -307,6 +329,7 @@ def _model_pair(tp: TPGroup, name: str, prepack: bool) -> list[torch.Tensor]:
         ("gemma3", True),
         ("qwen3-moe", True),
         ("mixtral", False),
+        ("phi3", True),
     ],
 )
 def test_model_forward_tp2_equals_tp1(tp2: TPRanks, name: str, prepack: bool) -> None:

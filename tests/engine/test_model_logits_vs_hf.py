@@ -21,7 +21,18 @@ DECODE_STEPS = 32
 
 
 @pytest.mark.parametrize(
-    "arch", ["llama", "qwen2", "qwen3", "mistral", "qwen2-window", "gemma3", "qwen3-moe", "mixtral"]
+    "arch",
+    [
+        "llama",
+        "qwen2",
+        "qwen3",
+        "mistral",
+        "qwen2-window",
+        "gemma3",
+        "qwen3-moe",
+        "mixtral",
+        "phi3",
+    ],
 )
 def test_logits_equal_hf_prefill_and_decode(arch: str, tmp_path) -> None:
     from transformers import AutoModelForCausalLM

@@ -51,6 +51,23 @@ def tiny_config(arch: str, num_kv_heads: int = 2, vocab: int = VOCAB, sliding_wi
     wide = {**common, "hidden_size": 256, "intermediate_size": 256}
     if arch == "mistral":
         return MistralConfig(**wide, sliding_window=sliding_window, tie_word_embeddings=False)
+    if arch in ("phi3", "phi3-long"):
+        from transformers import Phi3Config
+
+        # LongRoPE over 12 of the 16 dims (Phi-4-mini's partial rotary); "phi3-long" crosses
+        # its original context (48) within a test's generation, "phi3" stays below 128.
+        return Phi3Config(
+            **common,
+            partial_rotary_factor=0.75,
+            original_max_position_embeddings=48 if arch == "phi3-long" else 128,
+            rope_scaling={
+                "type": "longrope",
+                "short_factor": [1.0, 1.1, 1.2, 1.5, 2.0, 3.0],
+                "long_factor": [1.5, 2.0, 3.0, 4.0, 6.0, 8.0],
+            },
+            pad_token_id=0,
+            tie_word_embeddings=False,
+        )
     if arch == "qwen3-moe":
         from transformers import Qwen3MoeConfig
 
