@@ -13,8 +13,8 @@ no gather, no per-request Python, online softmax in float32:
   the keys its last token sees (bottom-right causal over the cached prefix), a tile of keys
   at a time copied out of the pool once and multiplied against the block's query rows.
 
-Both honour a layer's sliding window (`RadixAttention.sliding_window`): a token sees its last
-`window` positions only.
+Both honour a layer's sliding window (`RadixAttention.sliding_window`: a token sees its last
+`window` positions only) and its score soft-capping (`RadixAttention.logit_cap`, Gemma 2).
 
 Where a kernel cannot run (no C compiler, a failed build, a KV dtype other than float32 or
 bfloat16, a head dim other than 64 or 128, or for decode a query group over 8 heads), that
@@ -128,6 +128,7 @@ class CpuAttnBackend(TorchNativeAttnBackend):
             forward_batch,
             save_kv_cache,
             window=layer.sliding_window,
+            softcap=layer.logit_cap,
         )
 
     def forward_decode(
@@ -154,6 +155,7 @@ class CpuAttnBackend(TorchNativeAttnBackend):
             # A windowed layer reads each request's last tokens only: nothing to share.
             shared=forward_batch.attn_metadata if layer.sliding_window is None else None,
             window=layer.sliding_window,
+            softcap=layer.logit_cap,
         )
 
     def _through(

@@ -27,9 +27,11 @@ class RadixAttention(nn.Module):
         num_kv_heads: int,
         layer_id: int,
         sliding_window: int | None = None,
+        logit_cap: float | None = None,
     ) -> None:
         """`sliding_window`: the positions a query sees, itself included (position p sees
-        p - sliding_window + 1 .. p); None: every earlier position."""
+        p - sliding_window + 1 .. p); None: every earlier position. `logit_cap`: scores
+        become cap * tanh(score / cap) before the softmax (Gemma 2); None: as they are."""
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads {num_heads} is not a multiple of {num_kv_heads}")
@@ -39,6 +41,7 @@ class RadixAttention(nn.Module):
         self.scaling = scaling
         self.layer_id = layer_id
         self.sliding_window = sliding_window
+        self.logit_cap = logit_cap
 
     def forward(
         self,
@@ -62,5 +65,5 @@ class RadixAttention(nn.Module):
         return (
             f"layer_id={self.layer_id}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, scaling={self.scaling:.4g}, "
-            f"sliding_window={self.sliding_window}"
+            f"sliding_window={self.sliding_window}, logit_cap={self.logit_cap}"
         )

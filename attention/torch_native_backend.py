@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from attention.base import AttentionBackend
-from attention.torch_native_decode import DecodePlan, decode_attention, plan_decode
+from attention.torch_native_decode import DecodePlan, decode_attention, plan_decode, soft_cap
 
 if TYPE_CHECKING:
     from attention.radix_attention import RadixAttention
@@ -196,6 +196,7 @@ class TorchNativeAttnBackend(AttentionBackend):
                     v_req[:, blk.key_start : blk.num_keys],
                     blk.bias,
                     layer.scaling,
+                    layer.logit_cap,
                 )
         return out.permute(2, 0, 1, 3).reshape(num_tokens, -1).to(q.dtype)
 
@@ -250,6 +251,7 @@ def _grouped_attention(
     v: torch.Tensor,  # [Hkv, S, D]
     bias: torch.Tensor | None,  # float32 [n, S]
     scale: float,
+    logit_cap: float | None = None,
 ) -> torch.Tensor:
     """Attention of a GQA query group against its shared KV head, as two batched matmuls.
 
@@ -259,7 +261,7 @@ def _grouped_attention(
     kv_heads, group, n, head_dim = q.shape
     # Scores in float32 (a bf16 bmm would round them to bf16 before the softmax).
     rows = q.reshape(kv_heads, group * n, head_dim).float()
-    scores = torch.bmm(rows, k.float().transpose(1, 2)).mul_(scale)
+    scores = soft_cap(torch.bmm(rows, k.float().transpose(1, 2)).mul_(scale), logit_cap)
     if bias is not None:
         scores = scores.view(kv_heads, group, n, -1).add_(bias).view(kv_heads, group * n, -1)
     probs = torch.softmax(scores, dim=-1).to(v.dtype)

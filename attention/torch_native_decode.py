@@ -125,6 +125,13 @@ def plan_decode(
     return DecodePlan(buckets, pool_rows, lens, staged)
 
 
+def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma 2's soft-capping of attention scores, cap * tanh(score / cap), in place."""
+    if cap is None:
+        return scores
+    return scores.div_(cap).tanh_().mul_(cap)
+
+
 def decode_attention(
     q: torch.Tensor,  # [B, H * D]
     k_new: torch.Tensor,  # [B, Hkv * D], already written to the pool
@@ -195,7 +202,8 @@ def _bucket_attention(
     scores = torch.bmm(rows, k_rows.view(b * kv_heads, cap, head_dim).transpose(1, 2))
     bias = bucket.window_bias if layer.sliding_window is not None else bucket.bias
     assert bias is not None, "a windowed layer needs a backend built with its window"
-    scores = scores.mul_(layer.scaling).view(b, kv_heads, group, cap).add_(bias)
+    scores = soft_cap(scores.mul_(layer.scaling), layer.logit_cap)
+    scores = scores.view(b, kv_heads, group, cap).add_(bias)
     probs = torch.softmax(scores, dim=-1).to(v_rows.dtype).view(b * kv_heads, group, cap)
     out = torch.bmm(probs, v_rows.view(b * kv_heads, cap, head_dim))
     return out.view(b, kv_heads, group, head_dim)

@@ -4,7 +4,8 @@
   requests hold, found once per step by `shared_prefixes()`, is read once for all of them.
 - `paged_extend_kernel()`: many new tokens per request, causal over the cached prefix.
 
-Both take a sliding-window layer's window (the positions a token sees, itself included).
+Both take a sliding-window layer's window (the positions a token sees, itself included) and
+Gemma 2's score soft-capping.
 
 Each returns None where the library cannot be built (`build.load`); `attention/cpu_backend.py`
 then keeps the torch path.
@@ -57,11 +58,13 @@ class PagedAttentionKernel:
         num_heads: int,
         scale: float,
         window: int | None,
+        softcap: float | None,
         out: torch.Tensor,
     ) -> torch.Tensor:
         """Call the kernel with the arguments both share, around the int64 per-request arrays
         (pool rows first; None passes NULL); returns `out`, or raises for the kernel's error
-        status. `window`: a sliding-window layer's (None: every earlier position)."""
+        status. `window`: a sliding-window layer's (None: every earlier position);
+        `softcap`: Gemma 2's score soft-capping (None: none)."""
         _, kv_heads, head_dim = k_cache.shape
         assert k_cache.dtype == v_cache.dtype and k_cache.stride() == v_cache.stride()
         assert k_cache.stride(2) == 1 and k_cache.stride(1) == head_dim
@@ -82,6 +85,7 @@ class PagedAttentionKernel:
             head_dim,
             scale,
             window or 0,
+            softcap or 0.0,
             out.data_ptr(),
             torch.get_num_threads(),
         )
@@ -166,7 +170,7 @@ class PagedDecodeKernel(PagedAttentionKernel):
     def __init__(self, library: ctypes.CDLL) -> None:
         p, i64, i32 = _P, _I64, _I32
         argtypes = [
-            p, p, p, i32, i64, p, i64, p, p, p, p, i32, i32, i32, i32, ctypes.c_float, i64, p, i32
+            p, p, p, i32, i64, p, i64, p, p, p, p, i32, i32, i32, i32, ctypes.c_float, i64, ctypes.c_float, p, i32
         ]  # fmt: skip
         super().__init__(library, "paged_decode_attention", argtypes)
 
@@ -182,6 +186,7 @@ class PagedDecodeKernel(PagedAttentionKernel):
         scale: float,
         shared: SharedPrefixes | None = None,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """`shared`: requests whose leading KV slots are the same (`shared_prefixes`); their
         common prefix is read once per group. None: every request reads all its own.
@@ -197,7 +202,7 @@ class PagedDecodeKernel(PagedAttentionKernel):
         )
         out = torch.empty(batch, num_heads * head_dim, dtype=torch.float32)
         return self._run(
-            q32, k_cache, v_cache, req_to_token, per_request, num_heads, scale, window, out
+            q32, k_cache, v_cache, req_to_token, per_request, num_heads, scale, window, softcap, out
         )
 
 
@@ -210,7 +215,7 @@ class PagedExtendKernel(PagedAttentionKernel):
     def __init__(self, library: ctypes.CDLL) -> None:
         p, i64, i32 = _P, _I64, _I32
         argtypes = [
-            p, p, p, i32, i64, p, i64, p, p, p, i32, i32, i32, i32, ctypes.c_float, i64, p, i32
+            p, p, p, i32, i64, p, i64, p, p, p, i32, i32, i32, i32, ctypes.c_float, i64, ctypes.c_float, p, i32
         ]  # fmt: skip
         super().__init__(library, "paged_extend_attention", argtypes)
 
@@ -226,14 +231,16 @@ class PagedExtendKernel(PagedAttentionKernel):
         num_heads: int,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """`window`: a sliding-window layer's; a token sees its last `window` positions."""
+        """`window`: a sliding-window layer's; a token sees its last `window` positions.
+        `softcap`: scores become softcap * tanh(score / softcap) (Gemma 2)."""
         tokens, head_dim = q.shape[0], k_cache.shape[2]
         q32 = q.reshape(tokens, num_heads * head_dim).to(k_cache.dtype).float().contiguous()
         per_request = (pool_rows, prefix_lens, extend_lens)
         out = torch.empty(tokens, num_heads * head_dim, dtype=torch.float32)
         return self._run(
-            q32, k_cache, v_cache, req_to_token, per_request, num_heads, scale, window, out
+            q32, k_cache, v_cache, req_to_token, per_request, num_heads, scale, window, softcap, out
         )
 
 

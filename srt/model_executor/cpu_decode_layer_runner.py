@@ -49,6 +49,8 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def _qualifies(layer: Any) -> str | None:
     """Why a decoder layer cannot run fused, or None when it can."""
+    if type(layer).__name__ != "LlamaDecoderLayer":
+        return f"{type(layer).__name__} layers (the kernel is the Llama layer)"
     attn, mlp = layer.self_attn, layer.mlp
     if attn.q_norm is not None:
         return "q/k norm"

@@ -1,22 +1,23 @@
-"""Gemma 3 text models (`Gemma3ForCausalLM`: Gemma 3 1B, and the text config of the larger
-ones saved as such), on the Llama building blocks.
+"""Gemma 2 and Gemma 3 text models (`Gemma2ForCausalLM`; `Gemma3ForCausalLM`: Gemma 3 1B,
+and the text config of the larger ones saved as such), on the Llama building blocks.
 
-What differs from Llama, as HF's `modeling_gemma3` computes it:
+What differs from Llama, as HF's `modeling_gemma2` / `modeling_gemma3` compute it:
 - RMSNorm scales by `1 + weight`: `GemmaRMSNorm` adds the 1 when the weight is loaded, so the
   shared norm (and its CPU kernel) runs unchanged (float32-exact; in bfloat16 HF multiplies
   before rounding, Llama's rule rounds first: a last-bit difference);
 - four norms per layer: before and after attention, before and after the MLP;
-- q/k norms, scores scaled by `query_pre_attn_scalar ** -0.5`;
-- local layers (`layer_types` "sliding_attention", 5 of every 6) attend through the sliding
-  window with their own RoPE base (`rope_parameters`), global layers see everything;
+- scores scaled by `query_pre_attn_scalar ** -0.5`; Gemma 3 has q/k norms, Gemma 2
+  soft-caps the scores instead (`attn_logit_softcapping`, in every attention backend);
+- local layers (`layer_types` "sliding_attention": every other one in Gemma 2, 5 of every 6
+  in Gemma 3) attend through the sliding window, in Gemma 3 with their own RoPE base
+  (`rope_parameters` per layer type); global layers see everything;
 - GeGLU MLP (`gelu_pytorch_tanh`), embeddings scaled by sqrt(hidden_size) in the weight
-  dtype, tied LM head, and optional final logit soft-capping (cap * tanh(logits / cap)).
-Attention-score soft-capping (Gemma 2) is not supported: such a config is refused.
+  dtype, tied LM head, and final logit soft-capping (cap * tanh(logits / cap)) where set.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -52,7 +53,10 @@ def _load_plus_one(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
 
 
 def _rope(config: PretrainedConfig, layer_type: str, head_dim: int) -> RotaryEmbedding:
-    params = config.rope_parameters[layer_type]
+    """Gemma 3's RoPE of one layer type; Gemma 2 has one for all (a flat `rope_parameters`)."""
+    params = config.rope_parameters
+    if "rope_theta" not in params:
+        params = params[layer_type]
     scaling = params if params.get("rope_type", "default") != "default" else None
     return get_rope(
         head_dim, head_dim, config.max_position_embeddings, float(params["rope_theta"]), scaling
@@ -67,6 +71,7 @@ class Gemma3DecoderLayer(nn.Module):
         rotary_emb: RotaryEmbedding,
         tp: TPGroup,
         layout: HeadLayout,
+        qk_norm: bool,
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(
@@ -75,11 +80,12 @@ class Gemma3DecoderLayer(nn.Module):
             rotary_emb,
             bool(config.attention_bias),
             bool(config.attention_bias),
-            True,
+            qk_norm,
             tp,
             layout,
             scaling=config.query_pre_attn_scalar**-0.5,
             norm=GemmaRMSNorm,
+            logit_cap=getattr(config, "attn_logit_softcapping", None) or None,
         )
         self.mlp = LlamaMLP(
             config.hidden_size, config.intermediate_size, config.hidden_activation, tp=tp
@@ -110,7 +116,9 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
-    def __init__(self, config: PretrainedConfig, tp: TPGroup, layout: HeadLayout) -> None:
+    def __init__(
+        self, config: PretrainedConfig, tp: TPGroup, layout: HeadLayout, qk_norm: bool
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp=tp)
         self.embed_scale = config.hidden_size**0.5
@@ -119,7 +127,7 @@ class Gemma3Model(nn.Module):
         self.local_rotary_emb = ropes.get("sliding_attention")
         self.global_rotary_emb = ropes.get("full_attention")
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, i, ropes[kind], tp, layout)
+            Gemma3DecoderLayer(config, i, ropes[kind], tp, layout, qk_norm)
             for i, kind in enumerate(config.layer_types)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -150,16 +158,14 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     """`forward(input_ids, positions, forward_batch) -> float32 logits [N, vocab]`, as
     `LlamaForCausalLM`'s (whose weight loading, row selection and pooling it keeps)."""
 
+    qk_norm: ClassVar[bool] = True
+
     def __init__(self, config: PretrainedConfig, tp: TPGroup | None = None) -> None:
-        if getattr(config, "attn_logit_softcapping", None):
-            raise ValueError(
-                "attention-score soft-capping (attn_logit_softcapping, Gemma 2) is not supported"
-            )
         super().__init__(config, tp)
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
 
     def make_model(self, config: PretrainedConfig) -> nn.Module:
-        return Gemma3Model(config, self.tp, self.head_layout)
+        return Gemma3Model(config, self.tp, self.head_layout, self.qk_norm)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
@@ -170,3 +176,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             # Monotonic: an argmax-only batch's logits keep their argmax.
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+class Gemma2ForCausalLM(Gemma3ForCausalLM):
+    """Gemma 2: no q/k norms; soft-capped scores; one RoPE for every layer."""
+
+    qk_norm: ClassVar[bool] = False

@@ -100,9 +100,10 @@ class LlamaAttention(nn.Module):
         layout: HeadLayout,
         scaling: float | None = None,
         norm: type[RMSNorm] = RMSNorm,
+        logit_cap: float | None = None,
     ) -> None:
         """`scaling`: of the scores (default head_dim ** -0.5); `norm`: the q/k norms'
-        class (Gemma's stores 1 + weight)."""
+        class (Gemma's stores 1 + weight); `logit_cap`: Gemma 2's score soft-capping."""
         super().__init__()
         total_heads, total_kv_heads = config_num_heads(config)
         self.num_heads = layout.num_heads  # this rank's
@@ -134,6 +135,7 @@ class LlamaAttention(nn.Module):
             self.num_kv_heads,
             layer_id,
             layer_sliding_window(config, layer_id),
+            logit_cap,
         )
 
     def _norm_heads(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:

@@ -10,6 +10,7 @@ from torch import nn
 # sentence-transformers saves an embedding model) has no LM head; only an embedding server
 # (`--is-embedding`) loads one.
 _MODELS: dict[str, tuple[str, str]] = {
+    "Gemma2ForCausalLM": ("srt.models.gemma3", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("srt.models.gemma3", "Gemma3ForCausalLM"),
     "LlamaForCausalLM": ("srt.models.llama", "LlamaForCausalLM"),
     "LlamaModel": ("srt.models.llama", "LlamaForCausalLM"),

@@ -31,6 +31,7 @@ def cpu_harness(
     dtype: torch.dtype,
     head_dim: int = 64,
     window: int | None = None,
+    logit_cap: float | None = None,
     **kw,
 ):
     backend = CpuAttnBackend(
@@ -41,7 +42,14 @@ def cpu_harness(
         sliding_window=window,
     )
     return Harness(
-        num_heads, num_kv_heads, dtype, head_dim=head_dim, window=window, backend=backend, **kw
+        num_heads,
+        num_kv_heads,
+        dtype,
+        head_dim=head_dim,
+        window=window,
+        logit_cap=logit_cap,
+        backend=backend,
+        **kw,
     )
 
 
@@ -174,6 +182,18 @@ def test_sliding_window_matches_reference(dtype, num_heads, num_kv_heads, head_d
     assert h.step([(4, 20), (5, 1)]) < TOL[dtype]
     for _ in range(2):
         assert h.step([(rid, 1) for rid in range(6)]) < TOL[dtype]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_soft_capped_scores_match_reference(dtype):
+    """Both kernels with Gemma 2's soft-capping on a windowed layer; a cap of 1 where the
+    scores' spread is about 1, so that it bites."""
+    h = cpu_harness(8, 2, dtype, 64, window=50, logit_cap=1.0, max_context_len=1024)
+    assert h.step([(0, 300), (1, 7)]) < TOL[dtype]
+    assert h.step([(0, 40), (1, 1)]) < TOL[dtype]
+    for _ in range(2):
+        assert h.step([(0, 1), (1, 1)]) < TOL[dtype]
 
 
 def test_shared_prefixes_planner_thresholds():

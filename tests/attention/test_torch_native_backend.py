@@ -20,13 +20,17 @@ def reference_attention(
     prefix_len: int,
     scale: float,
     window: int | None = None,
+    logit_cap: float | None = None,
 ) -> torch.Tensor:
     """q [ext, H, D] at positions prefix_len.., k/v [S, Hkv, D] -> [ext, H, D] in float64;
-    with `window`, position p sees keys p - window + 1..p (HF's sliding window)."""
+    with `window`, position p sees keys p - window + 1..p (HF's sliding window); with
+    `logit_cap`, scores are cap * tanh(score / cap) (Gemma 2)."""
     group = q.shape[1] // k.shape[1]
     k = k.double().repeat_interleave(group, dim=1)
     v = v.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    if logit_cap is not None:
+        scores = torch.tanh(scores / logit_cap) * logit_cap
     query_pos = torch.arange(q.shape[0])[:, None] + prefix_len
     key_pos = torch.arange(k.shape[0])[None, :]
     visible = key_pos <= query_pos
@@ -46,15 +50,16 @@ class Harness:
         dtype: torch.dtype,
         head_dim: int = 16,
         window: int | None = None,
+        logit_cap: float | None = None,
         **builder_kwargs,  # page_size, device, backend, ... of ForwardBatchBuilder
     ):
         """`window`: layer 1 attends through a sliding window of that many positions (layer
         0 sees everything), as a Qwen2 model with `max_window_layers` mixes them; the backend
-        must be built with it."""
+        must be built with it. `logit_cap`: layer 1 soft-caps its scores (Gemma 2)."""
         self.h, self.hkv, self.d, self.dtype = num_heads, num_kv_heads, head_dim, dtype
         self.layers = [
             RadixAttention(num_heads, head_dim, head_dim**-0.5, num_kv_heads, 0),
-            RadixAttention(num_heads, head_dim, head_dim**-0.5, num_kv_heads, 1, window),
+            RadixAttention(num_heads, head_dim, head_dim**-0.5, num_kv_heads, 1, window, logit_cap),
         ]
         self.builder = ForwardBatchBuilder(2, num_kv_heads, head_dim, dtype=dtype, **builder_kwargs)
         self.history: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -98,6 +103,7 @@ class Harness:
                     prefix_lens[rid],
                     layer.scaling,
                     layer.sliding_window,
+                    layer.logit_cap,
                 )
                 got = out[start : start + n].view(n, self.h, self.d).double().cpu()
                 worst = max(worst, (got - ref).abs().max().item())
@@ -142,6 +148,19 @@ def test_sliding_window_extend_and_decode(dtype: torch.dtype, monkeypatch: pytes
         assert h.step([(0, 1), (1, 1), (2, 1), (3, 1)]) < TOL[dtype]
     h.fork(3, 4)  # a cached prefix far longer than the window, then more of the prompt
     assert h.step([(4, 12)]) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_soft_capped_scores(dtype: torch.dtype):
+    """Gemma 2's soft-capping (cap 0.5, where the scores' spread is about 1: it bites) on a
+    windowed layer, extend over a cached prefix and decode."""
+    window = 9
+    backend = TorchNativeAttnBackend(sliding_window=window)
+    h = Harness(8, 2, dtype, window=window, logit_cap=0.5, backend=backend)
+    h.gen.manual_seed(7)
+    assert h.step([(0, 20), (1, 3)]) < TOL[dtype]
+    assert h.step([(0, 6), (1, 1)]) < TOL[dtype]
+    assert h.step([(0, 1), (1, 1)]) < TOL[dtype]
 
 
 def test_a_windowed_layer_needs_a_backend_built_with_its_window():

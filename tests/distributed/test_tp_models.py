@@ -116,6 +116,22 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
             "pad_token_id": 0,
         },
     ),
+    "gemma2": (
+        "Gemma2ForCausalLM",
+        {
+            "hidden_size": 32,
+            "head_dim": 16,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 40,
+            "vocab_size": 106,
+            "sliding_window": 4,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 30.0,
+            "tie_word_embeddings": False,
+        },
+    ),
     "gemma3": (
         "Gemma3ForCausalLM",
         {
@@ -326,6 +342,7 @@ def _model_pair(tp: TPGroup, name: str, prepack: bool) -> list[torch.Tensor]:
         ("qwen2", False),
         ("qwen3", True),
         ("mistral", True),
+        ("gemma2", True),
         ("gemma3", True),
         ("qwen3-moe", True),
         ("mixtral", False),

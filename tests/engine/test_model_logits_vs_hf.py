@@ -28,6 +28,7 @@ DECODE_STEPS = 32
         "qwen3",
         "mistral",
         "qwen2-window",
+        "gemma2",
         "gemma3",
         "qwen3-moe",
         "mixtral",

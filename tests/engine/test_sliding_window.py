@@ -1,7 +1,7 @@
 """Sliding-window attention against HF transformers: a tiny Mistral (every layer windowed),
-a tiny Qwen2 with `use_sliding_window` (its second layer only) and a tiny Gemma 3 (its first
-layer only, with its own RoPE base), window 8, prompts up to
-six windows long. Greedy tokens equal HF's `generate` on both CPU backends and both loops,
+a tiny Qwen2 with `use_sliding_window` (its second layer only), a tiny Gemma 2 (its first
+layer, with soft-capped scores) and a tiny Gemma 3 (its first layer, with its own RoPE base),
+window 8, prompts up to six windows long. Greedy tokens equal HF's `generate` on both CPU backends and both loops,
 with chunked prefill (chunks of 16), again from the radix cache (a cached prefix far longer
 than the window), and after retraction. A test checks that the window changes HF's tokens
 for these prompts, so a run that ignored it could not pass."""
@@ -34,6 +34,7 @@ def prompts(seed: int = 0) -> list[list[int]]:
 WINDOWED_LAYERS = {
     "mistral": [WINDOW, WINDOW],
     "qwen2-window": [None, WINDOW],
+    "gemma2": [WINDOW, None],
     "gemma3": [WINDOW, None],
 }
 

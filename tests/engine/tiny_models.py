@@ -109,6 +109,20 @@ def tiny_config(arch: str, num_kv_heads: int = 2, vocab: int = VOCAB, sliding_wi
             tie_word_embeddings=False,
             architectures=["Gemma3ForCausalLM"],
         )
+    if arch == "gemma2":
+        from transformers import Gemma2Config
+
+        # A local and a global layer, scores soft-capped at 5 (they bite at this scale).
+        return Gemma2Config(
+            **{**wide, "hidden_size": 64, "intermediate_size": 128},
+            head_dim=64,
+            query_pre_attn_scalar=48,
+            sliding_window=sliding_window,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=30.0,
+            tie_word_embeddings=False,
+            architectures=["Gemma2ForCausalLM"],
+        )
     if arch == "qwen2-window":
         return Qwen2Config(
             **wide,
@@ -132,7 +146,7 @@ def save_tiny_model(
     torch.manual_seed(seed)
     config = tiny_config(arch, num_kv_heads=num_kv_heads, vocab=vocab)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         # HF starts Gemma's norm weights at 0 (a scale of 1); random ones check the 1 + w.
         with torch.no_grad():
             for name, param in model.named_parameters():

@@ -8,6 +8,7 @@
 #define RADIXRT_DECODE_ATTEND_H
 
 #include <float.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -153,7 +154,7 @@ static inline __attribute__((always_inline)) void v_pass(
 static inline __attribute__((always_inline)) void attend_range(
     const float *q, const void *k_cache, const void *v_cache, const int kv_bf16,
     int64_t slot_stride, const int32_t *slots, int64_t t_begin, int64_t t_end, int Hkv,
-    const int G, const int NV, float scale, float *acc_out, float *m, float *l) {
+    const int G, const int NV, float scale, float softcap, float *acc_out, float *m, float *l) {
     const int H = Hkv * G, D = W * NV;
     /* A V pass holds GB queries x NC vectors of their rows in registers: whole rows, unless
      * that leaves one query a pass in a group of several; then half rows (or less). */
@@ -204,6 +205,10 @@ static inline __attribute__((always_inline)) void attend_range(
                     store_f32(&s[h * G + g][tb], sum_lanes(dots[g]) * scale);
             }
         }
+        /* Soft-capping (Gemma 2): cap * tanh(score / cap) on the scaled scores. */
+        if (softcap > 0.f)
+            for (int j = 0; j < H; j++)
+                for (int t = 0; t < tn; t++) s[j][t] = softcap * tanhf(s[j][t] / softcap);
         /* Online softmax, W scores at a time (lanes past tn count as 0): rescale what was
          * accumulated when the maximum grows. */
         const int tv = (tn + W - 1) / W;
@@ -241,18 +246,18 @@ static inline __attribute__((always_inline)) void attend_range(
     case (G_) * 1024 + (D_):                                                                  \
         if (kv_bf16)                                                                          \
             attend_range(q, k_cache, v_cache, 1, slot_stride, slots, t_begin, t_end, Hkv, G_, \
-                         (D_) / W, scale, acc, m, l);                                         \
+                         (D_) / W, scale, softcap, acc, m, l);                                \
         else                                                                                  \
             attend_range(q, k_cache, v_cache, 0, slot_stride, slots, t_begin, t_end, Hkv, G_, \
-                         (D_) / W, scale, acc, m, l);                                         \
+                         (D_) / W, scale, softcap, acc, m, l);                                \
         return;
 #define ATTEND_CASES(G_) ATTEND_CASE(G_, 64) ATTEND_CASE(G_, 128)
 
 /* Every (G, D) that paged_decode_supports accepts has a case here. */
 static void attend_dispatch(const float *q, const void *k_cache, const void *v_cache, int kv_bf16,
                            int64_t slot_stride, const int32_t *slots, int64_t t_begin,
-                           int64_t t_end, int Hkv, int G, int D, float scale, float *acc,
-                           float *m, float *l) {
+                           int64_t t_end, int Hkv, int G, int D, float scale, float softcap,
+                           float *acc, float *m, float *l) {
     switch (G * 1024 + D) {
         ATTEND_CASES(1)
         ATTEND_CASES(2)

@@ -109,8 +109,8 @@ int decode_layer(const DecodeLayer *L, const DecodeStep *S, void *x, void *resid
     const int status = paged_decode_attention(
         S->q, L->k_cache, L->v_cache, bf16, L->slot_stride, S->req_to_token, S->r2t_stride,
         S->pool_rows, S->seq_lens, S->leaders, S->shared_lens, (int)B, (int)L->q_heads,
-        (int)L->kv_heads, (int)D, L->scale, /* no sliding window: such layers never fuse */ 0,
-        S->attn, threads);
+        (int)L->kv_heads, (int)D, L->scale,
+        /* no sliding window or soft-capping: such layers never fuse */ 0, 0.f, S->attn, threads);
     if (status != 0) return status;
     const void *attn = S->attn;
     if (bf16) {

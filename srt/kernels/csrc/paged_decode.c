@@ -13,7 +13,8 @@
  *   out          float32 [B, H, D]                   contiguous
  *
  * window > 0 (a sliding-window layer): request b attends to its last `window` tokens only,
- * and nothing is read as a shared prefix.
+ * and nothing is read as a shared prefix. softcap > 0 (Gemma 2): scores become
+ * softcap * tanh(score / softcap) before the softmax.
  *
  * Query head h uses KV head h / G (G = H / Hkv). One work item is (request, split): it reads
  * each of its tokens' K and V rows (all KV heads) once for all H queries, in tiles of TILE
@@ -88,8 +89,8 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
                            int64_t slot_stride, const int32_t *req_to_token, int64_t r2t_stride,
                            const int64_t *pool_rows, const int64_t *seq_lens,
                            const int64_t *leaders, const int64_t *shared_lens, int B, int H,
-                           int Hkv, int D, float scale, int64_t window, float *out,
-                           int num_threads) {
+                           int Hkv, int D, float scale, int64_t window, float softcap,
+                           float *out, int num_threads) {
     if (!paged_decode_supports(H, Hkv, D)) return 2;
     const int G = H / Hkv;
     /* Without a plan (or under a window) nothing is shared: every request its own leader, no
@@ -170,7 +171,7 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
                 float *part = parts + (b * parts_per_req + c) * part_size;
                 attend_dispatch(q + b * H * D, k_cache, v_cache, kv_bf16, slot_stride,
                                 req_to_token + pool_rows[b] * r2t_stride, t_begin, t_end, Hkv, G,
-                                D, scale, part, m, l);
+                                D, scale, softcap, part, m, l);
                 memcpy(part + (int64_t)H * D, m, sizeof(float) * H);
                 memcpy(part + (int64_t)H * D + H, l, sizeof(float) * H);
             }
@@ -186,7 +187,7 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
         if (direct) {
             float *acc = out + b * H * D;
             attend_dispatch(qb, k_cache, v_cache, kv_bf16, slot_stride, slots, t_begin, t_end,
-                            Hkv, G, D, scale, acc, m, l);
+                            Hkv, G, D, scale, softcap, acc, m, l);
             for (int j = 0; j < H; j++) {
                 float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
                 for (int d = 0; d < D; d++) acc[j * D + d] *= inv;
@@ -194,7 +195,7 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
         } else {
             float *part = parts + (b * parts_per_req + max_chunks + split) * part_size;
             attend_dispatch(qb, k_cache, v_cache, kv_bf16, slot_stride, slots, t_begin, t_end,
-                            Hkv, G, D, scale, part, m, l);
+                            Hkv, G, D, scale, softcap, part, m, l);
             memcpy(part + (int64_t)H * D, m, sizeof(float) * H);
             memcpy(part + (int64_t)H * D + H, l, sizeof(float) * H);
         }

@@ -14,7 +14,8 @@
  *
  * New token i of request b sits at position prefix_lens[b] + i and sees keys 0..that
  * position (bottom-right causal), or with window > 0 (a sliding-window layer) only the last
- * `window` of them; its K/V are already in the pool. One work item is
+ * `window` of them; its K/V are already in the pool. softcap > 0 (Gemma 2): scores become
+ * softcap * tanh(score / softcap) before the softmax. One work item is
  * (request, KV head, block of up to QB new tokens): its G * QB query rows (the G query heads
  * of the KV head, stacked) go over the keys the block's last token sees, KT keys at a time.
  * The item's queries are stored transposed once (qt[d][row]) and each key tile is copied
@@ -27,6 +28,7 @@
  */
 
 #include <float.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -174,7 +176,7 @@ static int32_t max_last_key(const int32_t *last_key, int n) {
 static inline __attribute__((always_inline)) void run_item(
     const item_t *it, const float *q, const void *k_cache, const void *v_cache, int kv_bf16,
     int64_t slot_stride, const int32_t *slots, int64_t q_start, int64_t prefix_len, int H, int G,
-    const int D, float scale, int64_t window, float *out, scratch_t *w) {
+    const int D, float scale, int64_t window, float softcap, float *out, scratch_t *w) {
     const int rows = G * it->nq;
     const int rp = (rows + RV - 1) / RV * RV; /* padded rows: the row stride of qt and st */
     /* Row r = g * nq + t: query head h * G + g of new token q0 + t, pre-scaled and stored
@@ -217,6 +219,13 @@ static inline __attribute__((always_inline)) void run_item(
                 tile_scores(w->qt + r0, rp, w->kb + (int64_t)j0 * D, D,
                             w->st + (int64_t)j0 * rp + r0);
         }
+        /* Soft-capping (Gemma 2): cap * tanh(score / cap); the queries were pre-scaled. */
+        if (softcap > 0.f)
+            for (int j = 0; j < tn; j++)
+                for (int r = 0; r < rp; r++) {
+                    float *x = w->st + (int64_t)j * rp + r;
+                    *x = softcap * tanhf(*x / softcap);
+                }
         /* Online softmax, W rows at a time; keys outside a row's visible ones become 0. */
         for (int r0 = 0; r0 < rp; r0 += W) {
             vi first, last;
@@ -286,8 +295,8 @@ int paged_extend_attention(const float *q, const void *k_cache, const void *v_ca
                            int kv_bf16, int64_t slot_stride, const int32_t *req_to_token,
                            int64_t r2t_stride, const int64_t *pool_rows,
                            const int64_t *prefix_lens, const int64_t *extend_lens, int B, int H,
-                           int Hkv, int D, float scale, int64_t window, float *out,
-                           int num_threads) {
+                           int Hkv, int D, float scale, int64_t window, float softcap,
+                           float *out, int num_threads) {
     if (!paged_extend_supports(H, Hkv, D)) return 2;
     const int G = H / Hkv;
     int64_t num_items = 0;
@@ -325,10 +334,10 @@ int paged_extend_attention(const float *q, const void *k_cache, const void *v_ca
             const int32_t *slots = req_to_token + pool_rows[it->b] * r2t_stride;
             if (ok && D == 64)
                 run_item(it, q, k_cache, v_cache, kv_bf16, slot_stride, slots, q_starts[it->b],
-                         prefix_lens[it->b], H, G, 64, scale, window, out, &w);
+                         prefix_lens[it->b], H, G, 64, scale, window, softcap, out, &w);
             else if (ok)
                 run_item(it, q, k_cache, v_cache, kv_bf16, slot_stride, slots, q_starts[it->b],
-                         prefix_lens[it->b], H, G, 128, scale, window, out, &w);
+                         prefix_lens[it->b], H, G, 128, scale, window, softcap, out, &w);
         }
         if (ok) scratch_free(&w);
     }
