@@ -50,6 +50,7 @@ def make_driver(args: argparse.Namespace, overlap: bool | None) -> InProcessDriv
         max_prefill_tokens=args.max_prefill_tokens,
         disable_radix_cache=args.disable_radix_cache,
         disable_overlap_schedule=None if overlap is None else not overlap,
+        skip_tokenizer_init=args.skip_tokenizer_init,
     )
     return InProcessDriver(server_args)
 
@@ -196,6 +197,9 @@ def main() -> None:
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
     p.add_argument("--max-prefill-tokens", type=int, default=None, help="default: the server's")
     p.add_argument("--disable-radix-cache", action="store_true")
+    p.add_argument(
+        "--skip-tokenizer-init", action="store_true", help="a model folder without a tokenizer"
+    )
     p.add_argument("--disable-overlap-schedule", action="store_true")
     p.add_argument("--enable-overlap-schedule", action="store_true", help="the overlap loop on CPU")
     p.add_argument("--max-running-requests", type=int, default=None)

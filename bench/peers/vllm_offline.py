@@ -27,6 +27,10 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--load-format", default="auto", help="dummy: random weights (no files)")
+    p.add_argument(
+        "--skip-tokenizer-init", action="store_true", help="a folder with config.json alone"
+    )
     args = p.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -39,6 +43,8 @@ def main() -> None:
         enable_prefix_caching=True,
         max_num_seqs=args.max_num_seqs,
         max_model_len=2048,
+        load_format=args.load_format,
+        skip_tokenizer_init=args.skip_tokenizer_init,
     )
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4))  # warm up
