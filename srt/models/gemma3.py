@@ -17,6 +17,8 @@ What differs from Llama, as HF's `modeling_gemma2` / `modeling_gemma3` compute i
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -182,3 +184,42 @@ class Gemma2ForCausalLM(Gemma3ForCausalLM):
     """Gemma 2: no q/k norms; soft-capped scores; one RoPE for every layer."""
 
     qk_norm: ClassVar[bool] = False
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """A multimodal Gemma 3 checkpoint (4B, 12B, 27B) served for text: its language model,
+    built from `text_config`. The vision tower and projector are not loaded; this server
+    takes text only (image parts are refused on every route)."""
+
+    def __init__(self, config: PretrainedConfig, tp: TPGroup | None = None) -> None:
+        text = copy.copy(config.get_text_config())
+        # The LM head is the multimodal model's: its top-level config says whether it is tied.
+        text.tie_word_embeddings = getattr(config, "tie_word_embeddings", True)
+        super().__init__(text, tp)
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], need_lm_head: bool = True
+    ) -> None:
+        super().load_weights(_language_model_weights(weights), need_lm_head)
+
+
+# The parts of a multimodal checkpoint a text server skips.
+_VISION = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
+def _language_model_weights(
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        if name.startswith(_VISION):
+            continue
+        if name.startswith("language_model."):  # language_model.model.layers.0...
+            name = name.removeprefix("language_model.")
+        elif name.startswith("model.language_model."):  # model.language_model.layers.0...
+            name = "model." + name.removeprefix("model.language_model.")
+        yield name, tensor

@@ -12,6 +12,7 @@ from torch import nn
 _MODELS: dict[str, tuple[str, str]] = {
     "Gemma2ForCausalLM": ("srt.models.gemma3", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("srt.models.gemma3", "Gemma3ForCausalLM"),
+    "Gemma3ForConditionalGeneration": ("srt.models.gemma3", "Gemma3ForConditionalGeneration"),
     "LlamaForCausalLM": ("srt.models.llama", "LlamaForCausalLM"),
     "LlamaModel": ("srt.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("srt.models.llama", "LlamaForCausalLM"),

@@ -14,10 +14,16 @@ from attention.torch_native_backend import TorchNativeAttnBackend
 from srt.configs.model_config import ModelConfig
 from srt.model_loader.loader import get_model
 from tests.engine.hf_reference import hf_greedy
-from tests.engine.tiny_models import VOCAB, save_tiny_model
+from tests.engine.tiny_models import VOCAB, save_tiny_gemma3_multimodal, save_tiny_model
 from tests.srt.forward_helpers import ForwardBatchBuilder
 
 DECODE_STEPS = 32
+
+
+def _save(arch: str, folder):
+    if arch == "gemma3-multimodal":
+        return save_tiny_gemma3_multimodal(folder)
+    return save_tiny_model(arch, folder)
 
 
 @pytest.mark.parametrize(
@@ -33,14 +39,17 @@ DECODE_STEPS = 32
         "qwen3-moe",
         "mixtral",
         "phi3",
+        "gemma3-multimodal",
     ],
 )
 def test_logits_equal_hf_prefill_and_decode(arch: str, tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
-    folder = save_tiny_model(arch, tmp_path)
+    folder = _save(arch, tmp_path)
     config = ModelConfig.from_path(str(folder), dtype="float32")
     model = get_model(config)
+    if arch == "gemma3-multimodal":
+        from transformers import Gemma3ForConditionalGeneration as AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     rng = random.Random(0)
     prompt = [rng.randrange(2, VOCAB - 1) for _ in range(40)]  # five windows where there is one

@@ -156,6 +156,35 @@ def save_tiny_model(
     return folder
 
 
+def save_tiny_gemma3_multimodal(folder: Path) -> Path:
+    """The tiny Gemma 3 language model inside a multimodal Gemma 3 checkpoint
+    (`Gemma3ForConditionalGeneration`, as the 4B-27B ship) with a one-layer vision tower."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    torch.manual_seed(0)
+    text = tiny_config("gemma3")
+    # As in the released checkpoints (HF's multimodal class would not apply it either).
+    text.final_logit_softcapping = None
+    vision = SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    config = Gemma3Config(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4
+    )
+    model = Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "language_model" in name and "norm" in name:
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(folder)
+    return folder
+
+
 def save_tiny_model_with_tokenizer(folder: Path, tokenizer_from: str) -> Path:
     """A tiny random Llama with the vocabulary of the model at `tokenizer_from` and a copy
     of its tokenizer files: a server of it takes text, and clients that load the tokenizer
