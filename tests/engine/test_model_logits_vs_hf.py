@@ -72,3 +72,26 @@ def test_logits_equal_hf_prefill_and_decode(arch: str, tmp_path) -> None:
             batch = builder.build([(0, [token])])
             got.append(model(batch.input_ids, batch.positions, batch))
     torch.testing.assert_close(torch.cat(got), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "arch", ["mistral", "gemma2", "gemma3", "qwen3-moe", "mixtral", "phi3", "gemma3-multimodal"]
+)
+def test_dummy_weights_run_every_architecture(arch: str, tmp_path) -> None:
+    """`--load-format dummy`: random weights for the config alone, and a finite forward."""
+    folder = _save(arch, tmp_path)
+    for weights in folder.glob("*.safetensors"):
+        weights.unlink()  # the config alone
+    config = ModelConfig.from_path(str(folder), dtype="float32")
+    model = get_model(config, load_format="dummy")
+    builder = ForwardBatchBuilder(
+        config.num_hidden_layers,
+        config.num_key_value_heads,
+        config.head_dim,
+        num_slots=64,
+        backend=TorchNativeAttnBackend(sliding_window=config.sliding_window),
+    )
+    with torch.inference_mode():
+        batch = builder.build([(0, [3, 17, 50, 2, 9, 7, 41, 5, 6, 8, 11])])
+        logits = model(batch.input_ids, batch.positions, batch)
+    assert logits.shape == (1, config.vocab_size) and torch.isfinite(logits).all()
