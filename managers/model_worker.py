@@ -30,7 +30,7 @@ import torch
 from managers.schedule_batch import GenerationBatchResult, ModelWorkerBatch, token_positions
 from managers.worker_results import InputLogprobs, LaunchedBatch, ResultChannel
 from srt.configs.model_config import ModelConfig
-from srt.configs.pooling import load_pooling_config
+from srt.configs.pooling import read_pooling_config
 from srt.distributed import TPGroup
 from srt.model_executor.forward_batch import ForwardBatch
 from srt.model_executor.model_runner import ModelRunner
@@ -70,7 +70,9 @@ class ModelWorker:
         self.model_runner = ModelRunner(self.model_config, server_args, self.tp)
         # An embedding server pools hidden states instead of sampling (`launch_pooled`).
         self.pooling = (
-            load_pooling_config(self.model_config.model_path) if server_args.is_embedding else None
+            read_pooling_config(self.model_config.model_path, self.model_config.hf_config.to_dict())
+            if server_args.is_embedding
+            else None
         )
         self.device = self.model_runner.device
         self.num_forwards = 0

@@ -111,9 +111,3 @@ def _pooling_method(config_file: Path) -> str:
             f"(found {', '.join(chosen + unsupported) or 'none'})"
         )
     return chosen[0]
-
-
-def load_pooling_config(folder: str | Path) -> PoolingConfig:
-    """`read_pooling_config` for a resolved model folder."""
-    hf_config = json.loads((Path(folder) / "config.json").read_text())
-    return read_pooling_config(folder, hf_config)

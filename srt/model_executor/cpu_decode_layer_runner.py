@@ -34,6 +34,7 @@ from srt.kernels.decode_layer import (
     decode_layer_kernel,
 )
 from srt.layers.cpu_packed import SMALL_ROWS
+from srt.models.llama import LlamaDecoderLayer
 
 if TYPE_CHECKING:
     from srt.model_executor.forward_batch import ForwardBatch
@@ -49,7 +50,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def _qualifies(layer: Any) -> str | None:
     """Why a decoder layer cannot run fused, or None when it can."""
-    if type(layer).__name__ != "LlamaDecoderLayer":
+    if not isinstance(layer, LlamaDecoderLayer):
         return f"{type(layer).__name__} layers (the kernel is the Llama layer)"
     attn, mlp = layer.self_attn, layer.mlp
     if attn.q_norm is not None:

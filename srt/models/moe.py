@@ -15,6 +15,7 @@ missing any of them is refused, as a missing dense weight is.
 from __future__ import annotations
 
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from typing import ClassVar
 
@@ -34,16 +35,18 @@ _EXPERT = re.compile(
 _PARTS = {"gate_proj": GATE, "w1": GATE, "up_proj": UP, "w3": UP, "down_proj": DOWN, "w2": DOWN}
 
 
-class _SparseDecoder:
+class _SparseDecoder(ABC):
     """What both families add to their dense decoder: sparse layers and expert loading."""
 
     renormalize_always: ClassVar[bool] = False
 
+    @abstractmethod
     def sparse_layer(self, config: PretrainedConfig, layer_id: int) -> bool:
-        raise NotImplementedError
+        """Whether layer `layer_id`'s MLP is a mixture of experts."""
 
+    @abstractmethod
     def expert_size(self, config: PretrainedConfig) -> int:
-        raise NotImplementedError
+        """One expert's intermediate size."""
 
     def make_model(self, config: PretrainedConfig) -> nn.Module:
         model = super().make_model(config)  # type: ignore[misc]
