@@ -28,6 +28,14 @@ device: no device -> host copy, no pageable host -> device copy (which the drive
 serialise with the stream), no per-request Python loop. Where FlashInfer's internals are not
 the 0.7.2 ones this relies on, replay falls back to `wrapper.plan` (logged once).
 
+Variants. FlashInfer fixes a layer's sliding window, score soft cap and softmax scale at
+plan time (a window or a cap even selects another compiled kernel), so layers that differ in
+them cannot share a planned wrapper. The backend is built with the model's attention layers
+and keeps one set of wrappers per distinct `Variant` (a Gemma 2 model has two: local layers
+with a window and global ones, both soft-capped; a Llama has one); each batch plans every
+variant over the same page table, and each layer runs its own variant's wrapper. A window of
+W positions is FlashInfer's `window_left = W - 1` (a query sees itself and W - 1 keys back).
+
 Every plan, eager or graph, writes the wrapper's pinned plan buffer, whose upload may still
 be queued when the host, a step ahead of the GPU, plans again: `PinnedPlanGuard` records an
 event per wrapper after each plan and waits on it before the next only if `query()` says it
@@ -43,6 +51,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -82,10 +91,46 @@ class PlanKind(enum.Enum):
     DECODE = "decode"
 
 
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """What FlashInfer fixes per plan besides the batch: a layer's window, cap and scale."""
+
+    window_left: int  # keys a query sees before itself; -1: all of them
+    logits_soft_cap: float  # scores become cap * tanh(score / cap); 0.0: as they are
+    sm_scale: float
+
+    @classmethod
+    def of(cls, layer: RadixAttention) -> Variant:
+        window = -1 if layer.sliding_window is None else layer.sliding_window - 1
+        return cls(window, float(layer.logit_cap or 0.0), float(layer.scaling))
+
+    def plan_kwargs(self) -> dict[str, Any]:
+        return {
+            "window_left": self.window_left,
+            "logits_soft_cap": self.logits_soft_cap,
+            "sm_scale": self.sm_scale,
+        }
+
+
 @dataclass(slots=True)
 class FlashInferMetadata:
     kind: PlanKind
-    wrapper: Any  # the planned flashinfer wrapper
+    wrappers: dict[Variant, Any]  # the planned flashinfer wrapper of each variant
+
+    @property
+    def wrapper(self) -> Any:
+        """The planned wrapper of a backend with one variant."""
+        (only,) = self.wrappers.values()
+        return only
+
+
+@dataclass(slots=True)
+class VariantWrappers:
+    """One variant's eager wrappers (graph wrappers live in `GraphDecodePlans`)."""
+
+    ragged_prefill: Any
+    paged_prefill: Any
+    decode: Any
 
 
 class FlashInferAttnBackend(AttentionBackend):
@@ -104,8 +149,11 @@ class FlashInferAttnBackend(AttentionBackend):
         decode_tensor_cores: bool | None = None,
         workspace_bytes: int = WORKSPACE_BYTES,
         fast_replay: bool = True,
+        layers: Sequence[RadixAttention] = (),
         **_unused: Any,
     ) -> None:
+        """`layers`: the model's attention layers, whose windows, caps and scales are the
+        variants every batch plans; none: one variant, no window or cap, `sm_scale`."""
         import flashinfer  # the GPU package: imported here, when the backend is chosen
 
         if dtype not in (torch.float16, torch.bfloat16):
@@ -128,18 +176,9 @@ class FlashInferAttnBackend(AttentionBackend):
         # prefill wrappers share this buffer); torch.empty would hand it whatever the
         # caching allocator last kept in that memory. Once, at start-up: cheap.
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=device)
-        self.ragged_prefill = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
-            self.workspace, KV_LAYOUT, backend=FLASHINFER_KERNELS
-        )
-        self.paged_prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, KV_LAYOUT, backend=FLASHINFER_KERNELS
-        )
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace,
-            KV_LAYOUT,
-            use_tensor_cores=decode_tensor_cores,
-            backend=FLASHINFER_KERNELS,
-        )
+        found = dict.fromkeys(Variant.of(layer) for layer in layers)  # in layer order
+        self.variants = list(found) or [Variant(-1, 0.0, self.sm_scale)]
+        self.wrappers = {variant: self._new_wrappers() for variant in self.variants}
         # Graph replays re-plan through FlashInfer internals when it is 0.7.2 (see
         # flashinfer_replay); False keeps `wrapper.plan` there.
         self.fast_replay = fast_replay
@@ -147,11 +186,33 @@ class FlashInferAttnBackend(AttentionBackend):
         self.graphs: GraphDecodePlans | None = None
         logger.info(
             "flashinfer backend: %s kernels, page size %d, decode tensor cores %s, "
-            "workspace %d MiB",
+            "workspace %d MiB, %d variant(s): %s",
             FLASHINFER_KERNELS,
             page_size,
             decode_tensor_cores,
             workspace_bytes >> 20,
+            len(self.variants),
+            ", ".join(
+                f"window_left {v.window_left}, soft cap {v.logits_soft_cap:g}"
+                for v in self.variants
+            ),
+        )
+
+    def _new_wrappers(self) -> VariantWrappers:
+        flashinfer = self.flashinfer
+        return VariantWrappers(
+            flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+                self.workspace, KV_LAYOUT, backend=FLASHINFER_KERNELS
+            ),
+            flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self.workspace, KV_LAYOUT, backend=FLASHINFER_KERNELS
+            ),
+            flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace,
+                KV_LAYOUT,
+                use_tensor_cores=self.decode_tensor_cores,
+                backend=FLASHINFER_KERNELS,
+            ),
         )
 
     # ---- plan -------------------------------------------------------------------------
@@ -160,7 +221,8 @@ class FlashInferAttnBackend(AttentionBackend):
         self.check_pool(forward_batch)
         mode = forward_batch.forward_mode
         if mode.is_decode():
-            self.plan_decode(self.decode, forward_batch)
+            decoders = {variant: w.decode for variant, w in self.wrappers.items()}
+            self.plan_decode(decoders, forward_batch)
         elif mode.is_extend():
             self._plan_extend(forward_batch)
         else:
@@ -176,53 +238,35 @@ class FlashInferAttnBackend(AttentionBackend):
             assert forward_batch.extend_seq_lens is not None
             extend_lens = forward_batch.extend_seq_lens.tolist()
         qo_indptr = host_indptr(extend_lens)
-        common = self._plan_kwargs()
+        heads = (self.num_heads, self.num_kv_heads, self.head_dim)
         if not any(prefix_lens):
-            self._plan(
-                self.ragged_prefill,
-                qo_indptr,
-                qo_indptr,
-                self.num_heads,
-                self.num_kv_heads,
-                self.head_dim,
-                causal=True,
-                **common,
-            )
+            for variant, w in self.wrappers.items():
+                kwargs = self._plan_kwargs(variant)
+                self._plan(w.ragged_prefill, qo_indptr, qo_indptr, *heads, causal=True, **kwargs)
             forward_batch.attn_metadata = FlashInferMetadata(
-                PlanKind.RAGGED_PREFILL, self.ragged_prefill
+                PlanKind.RAGGED_PREFILL,
+                {variant: w.ragged_prefill for variant, w in self.wrappers.items()},
             )
             return
-        indptr, indices, last_page_len = self._page_table(forward_batch)
-        self._plan(
-            self.paged_prefill,
-            qo_indptr,
-            indptr,
-            indices,
-            last_page_len,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            self.page_size,
-            causal=True,
-            **common,
+        table = self._page_table(forward_batch)
+        for variant, w in self.wrappers.items():
+            kwargs = self._plan_kwargs(variant)
+            self._plan(
+                w.paged_prefill, qo_indptr, *table, *heads, self.page_size, causal=True, **kwargs
+            )
+        forward_batch.attn_metadata = FlashInferMetadata(
+            PlanKind.PAGED_PREFILL,
+            {variant: w.paged_prefill for variant, w in self.wrappers.items()},
         )
-        forward_batch.attn_metadata = FlashInferMetadata(PlanKind.PAGED_PREFILL, self.paged_prefill)
 
-    def plan_decode(self, wrapper: Any, forward_batch: ForwardBatch) -> None:
-        """The full plan of a decode wrapper (eager, graph capture, graph fallback)."""
-        indptr, indices, last_page_len = self._page_table(forward_batch)
-        self._plan(
-            wrapper,
-            indptr,
-            indices,
-            last_page_len,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            self.page_size,
-            **self._plan_kwargs(),
-        )
-        forward_batch.attn_metadata = FlashInferMetadata(PlanKind.DECODE, wrapper)
+    def plan_decode(self, wrappers: dict[Variant, Any], forward_batch: ForwardBatch) -> None:
+        """The full plan of each variant's decode wrapper over one page table (eager, graph
+        capture, graph fallback)."""
+        table = self._page_table(forward_batch)
+        heads = (self.num_heads, self.num_kv_heads, self.head_dim, self.page_size)
+        for variant, wrapper in wrappers.items():
+            self._plan(wrapper, *table, *heads, **self._plan_kwargs(variant))
+        forward_batch.attn_metadata = FlashInferMetadata(PlanKind.DECODE, dict(wrappers))
 
     def _plan(self, wrapper: Any, *args: Any, **kwargs: Any) -> None:
         """`wrapper.plan`, once the upload of its previous plan has left its pinned buffer."""
@@ -230,9 +274,9 @@ class FlashInferAttnBackend(AttentionBackend):
         wrapper.plan(*args, **kwargs)
         self.guard.after_plan(wrapper)
 
-    def _plan_kwargs(self) -> dict[str, Any]:
+    def _plan_kwargs(self, variant: Variant) -> dict[str, Any]:
         return {
-            "sm_scale": self.sm_scale,
+            **variant.plan_kwargs(),
             "q_data_type": self.dtype,
             "kv_data_type": self.dtype,
             "non_blocking": True,
@@ -286,16 +330,16 @@ class FlashInferAttnBackend(AttentionBackend):
     def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
         assert self.graphs is not None, "call init_cuda_graph_state first"
         self.graphs.capture(forward_batch)
-        wrapper = self.graphs.wrappers[forward_batch.batch_size]
-        forward_batch.attn_metadata = FlashInferMetadata(PlanKind.DECODE, wrapper)
+        wrappers = self.graphs.wrappers[forward_batch.batch_size]
+        forward_batch.attn_metadata = FlashInferMetadata(PlanKind.DECODE, wrappers)
 
     def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
         """Re-plan the captured graph of `forward_batch.batch_size`: a padded DECODE batch
         whose seq_lens / req_pool_indices are the graph's device inputs (already filled)
         and whose seq_lens_cpu is on the host. Nothing here waits for the device."""
         assert self.graphs is not None, "call init_cuda_graph_state first"
-        wrapper = self.graphs.replay(forward_batch)
-        forward_batch.attn_metadata = FlashInferMetadata(PlanKind.DECODE, wrapper)
+        wrappers = self.graphs.replay(forward_batch)
+        forward_batch.attn_metadata = FlashInferMetadata(PlanKind.DECODE, wrappers)
 
     # ---- run --------------------------------------------------------------------------
 
@@ -308,11 +352,11 @@ class FlashInferAttnBackend(AttentionBackend):
         forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
     ) -> torch.Tensor:
-        self._check_layer(layer)
         meta: FlashInferMetadata = forward_batch.attn_metadata
+        wrapper = self._layer_wrapper(layer, meta)
         q3 = q.contiguous().view(-1, self.num_heads, self.head_dim)
         if meta.kind is PlanKind.RAGGED_PREFILL:
-            out = meta.wrapper.run(
+            out = wrapper.run(
                 q3,
                 k.contiguous().view(-1, self.num_kv_heads, self.head_dim),
                 v.contiguous().view(-1, self.num_kv_heads, self.head_dim),
@@ -322,7 +366,7 @@ class FlashInferAttnBackend(AttentionBackend):
         else:
             if save_kv_cache:
                 self.save_kv(layer, forward_batch, k, v)
-            out = meta.wrapper.run(q3, self._paged_kv(layer, forward_batch))
+            out = wrapper.run(q3, self._paged_kv(layer, forward_batch))
         return out.view(-1, self.num_heads * self.head_dim)
 
     def forward_decode(
@@ -334,12 +378,12 @@ class FlashInferAttnBackend(AttentionBackend):
         forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
     ) -> torch.Tensor:
-        self._check_layer(layer)
+        meta: FlashInferMetadata = forward_batch.attn_metadata
+        wrapper = self._layer_wrapper(layer, meta)
         if save_kv_cache:
             self.save_kv(layer, forward_batch, k, v)
-        meta: FlashInferMetadata = forward_batch.attn_metadata
         q3 = q.contiguous().view(-1, self.num_heads, self.head_dim)
-        out = meta.wrapper.run(q3, self._paged_kv(layer, forward_batch))
+        out = wrapper.run(q3, self._paged_kv(layer, forward_batch))
         return out.view(-1, self.num_heads * self.head_dim)
 
     def _paged_kv(
@@ -350,8 +394,17 @@ class FlashInferAttnBackend(AttentionBackend):
         shape = (-1, self.page_size, self.num_kv_heads, self.head_dim)
         return k_cache.view(shape), v_cache.view(shape)
 
-    def _check_layer(self, layer: RadixAttention) -> None:
-        # The plan fixed heads and scale for every layer of the batch.
-        planned = (self.num_heads, self.num_kv_heads, self.head_dim, self.sm_scale)
-        if (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scaling) != planned:
-            raise ValueError(f"layer {layer.layer_id} does not match the planned shape / scale")
+    def _layer_wrapper(self, layer: RadixAttention, meta: FlashInferMetadata) -> Any:
+        """The planned wrapper of the layer's variant. The plan fixed heads, window, cap and
+        scale; a layer that matches none of the planned variants is an error, not a run
+        with another layer's."""
+        planned = (self.num_heads, self.num_kv_heads, self.head_dim)
+        wrapper = meta.wrappers.get(Variant.of(layer))
+        if (layer.num_heads, layer.num_kv_heads, layer.head_dim) != planned or wrapper is None:
+            raise ValueError(
+                f"layer {layer.layer_id} ({layer.num_heads}/{layer.num_kv_heads} heads, head_dim "
+                f"{layer.head_dim}, {Variant.of(layer)}) matches no planned variant of this "
+                f"backend ({self.num_heads}/{self.num_kv_heads} heads, head_dim {self.head_dim}, "
+                f"{self.variants})"
+            )
+        return wrapper

@@ -2,7 +2,8 @@
 
 `GraphDecodePlans` (built by `FlashInferAttnBackend.init_cuda_graph_state`) owns the
 persistent page table every captured graph reads (indptr / indices / last_page_len, shared
-by all sizes) and one `use_cuda_graph=True` decode wrapper per captured batch size.
+by all sizes and variants) and one `use_cuda_graph=True` decode wrapper per captured batch
+size and backend variant (window, soft cap, scale: `flashinfer_backend.Variant`).
 
 What a replay must refresh. A captured graph replays FlashInfer's kernels with the scalars
 of the plan it was captured with (`_plan_info`: padded batch, split-kv, workspace offsets).
@@ -86,6 +87,8 @@ class FastDecodePlan:
         head_dim: int,
         page_size: int,
         dtype: torch.dtype,
+        window_left: int = -1,
+        logits_soft_cap: float = 0.0,
     ) -> None:
         self.wrapper = wrapper
         self.out = out  # the graph buffers' views for this batch size
@@ -99,17 +102,18 @@ class FastDecodePlan:
         )
         if self.tensor_cores:
             # The prefill module's plan as 0.7.2 calls it for tensor-core decode: one query
-            # row per request, not causal, no window, no fixed split, fa2's extra arguments.
+            # row per request, not causal, the window, no fixed split, fa2's extra arguments
+            # (the soft cap is a run argument there).
             qo_indptr = torch.arange(bs + 1, dtype=torch.int32)
             self._head: tuple[Any, ...] = (*workspaces, qo_indptr)
             self._tail: tuple[Any, ...] = (bs, bs, num_qo_heads, num_kv_heads, page_size, True)
-            self._tail += (head_dim, head_dim, False, -1, -1, False, 0, 0)
+            self._tail += (head_dim, head_dim, False, window_left, -1, False, 0, 0)
         else:
-            # The decode module's plan: no window, no soft cap, dtypes as empty tensors.
+            # The decode module's plan: window, soft cap, dtypes as empty tensors.
             empty = torch.empty(0, dtype=dtype)
             self._head = workspaces
-            self._tail = (bs, num_qo_heads, num_kv_heads, page_size, True, -1, 0.0)
-            self._tail += (head_dim, head_dim, empty, empty)
+            self._tail = (bs, num_qo_heads, num_kv_heads, page_size, True, window_left)
+            self._tail += (logits_soft_cap, head_dim, head_dim, empty, empty)
 
     def plan(self, indptr: torch.Tensor, lens: np.ndarray) -> None:
         """Recompute and upload the work partition for host `indptr` (int32 [bs+1]) and
@@ -170,7 +174,8 @@ def self_check(fast: FastDecodePlan, indptr: torch.Tensor, lens: np.ndarray) -> 
 
 
 class GraphDecodePlans:
-    """The page-table buffers, decode wrappers and replay plans of the captured graphs."""
+    """The page-table buffers, decode wrappers and replay plans of the captured graphs:
+    `wrappers[bs][variant]`, `fast[bs][variant]` (absent: that graph re-plans in full)."""
 
     def __init__(self, backend: FlashInferAttnBackend, max_bs: int, max_pages_per_req: int):
         device = backend.workspace.device
@@ -178,56 +183,65 @@ class GraphDecodePlans:
         self.indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
         self.last_page_len = torch.ones(max_bs, dtype=torch.int32, device=device)
         self.indices = torch.zeros(max_bs * max_pages_per_req, dtype=torch.int32, device=device)
-        self.wrappers: dict[int, Any] = {}
-        self.fast: dict[int, FastDecodePlan] = {}
+        self.wrappers: dict[int, dict[Any, Any]] = {}
+        self.fast: dict[int, dict[Any, FastDecodePlan]] = {}
         self.paths: dict[int, str] = {}  # batch size -> "fast", or which full plan and why
 
     def capture(self, forward_batch: ForwardBatch) -> None:
-        """Plan a new graph wrapper for the (dummy) batch in full, then choose its replay."""
+        """Plan new graph wrappers (one per variant) for the (dummy) batch in full, then
+        choose their replay: fast only if every variant's fast plan passes its check."""
         backend, bs = self.backend, forward_batch.batch_size
         out = (self.indptr[: bs + 1], self.indices, self.last_page_len[:bs])
-        wrapper = backend.new_graph_wrapper(out)
-        self.wrappers[bs] = wrapper
-        backend.plan_decode(wrapper, forward_batch)
+        wrappers = {variant: backend.new_graph_wrapper(out) for variant in backend.variants}
+        self.wrappers[bs] = wrappers
+        backend.plan_decode(wrappers, forward_batch)
         self.fast.pop(bs, None)
         path = "full wrapper.plan: fast_replay=False"
         if backend.fast_replay:
-            path = self._try_fast(wrapper, out, forward_batch)
+            path = self._try_fast(wrappers, out, forward_batch)
         if path not in self.paths.values():
             logger.info("flashinfer graph replay (batch size %d and like it): %s", bs, path)
         self.paths[bs] = path
 
-    def _try_fast(self, wrapper: Any, out: PageTable, forward_batch: ForwardBatch) -> str:
+    def _try_fast(
+        self, wrappers: dict[Any, Any], out: PageTable, forward_batch: ForwardBatch
+    ) -> str:
         backend = self.backend
-        fast, reason = fast_plan_or_reason(
-            backend.flashinfer,
-            wrapper,
-            out,
-            num_qo_heads=backend.num_heads,
-            num_kv_heads=backend.num_kv_heads,
-            head_dim=backend.head_dim,
-            page_size=backend.page_size,
-            dtype=backend.dtype,
-        )
-        if fast is None:
-            return f"full wrapper.plan: {reason}"
         lens = host_lens(forward_batch.seq_lens_cpu)
         indptr = torch.from_numpy(host_kv_indptr(lens, backend.page_size))
-        backend.guard.before_plan(wrapper)
-        failed = self_check(fast, indptr, lens)
-        backend.guard.after_plan(wrapper)
-        if failed is not None:
-            backend.plan_decode(wrapper, forward_batch)  # whatever the check left: redo
-            return f"full wrapper.plan: {failed}"
-        self.fast[forward_batch.batch_size] = fast
+        plans: dict[Any, FastDecodePlan] = {}
+        for variant, wrapper in wrappers.items():
+            fast, reason = fast_plan_or_reason(
+                backend.flashinfer,
+                wrapper,
+                out,
+                num_qo_heads=backend.num_heads,
+                num_kv_heads=backend.num_kv_heads,
+                head_dim=backend.head_dim,
+                page_size=backend.page_size,
+                dtype=backend.dtype,
+                window_left=variant.window_left,
+                logits_soft_cap=variant.logits_soft_cap,
+            )
+            if fast is None:
+                return f"full wrapper.plan: {reason}"
+            backend.guard.before_plan(wrapper)
+            failed = self_check(fast, indptr, lens)
+            backend.guard.after_plan(wrapper)
+            if failed is not None:
+                backend.plan_decode(wrappers, forward_batch)  # whatever the check left: redo
+                return f"full wrapper.plan: {failed}"
+            plans[variant] = fast
+        self.fast[forward_batch.batch_size] = plans
         return "fast"
 
-    def replay(self, forward_batch: ForwardBatch) -> Any:
+    def replay(self, forward_batch: ForwardBatch) -> dict[Any, Any]:
         """Re-plan the graph of this padded DECODE batch (seq_lens / req_pool_indices: the
-        graph's device inputs, filled; seq_lens_cpu: host); returns the planned wrapper."""
+        graph's device inputs, filled; seq_lens_cpu: host); returns the planned wrapper of
+        each variant."""
         backend, bs = self.backend, forward_batch.batch_size
-        fast = self.fast.get(bs)
-        if fast is None:
+        plans = self.fast.get(bs)
+        if plans is None:
             backend.plan_decode(self.wrappers[bs], forward_batch)
             return self.wrappers[bs]
         req_pool = backend.check_pool(forward_batch)
@@ -244,9 +258,11 @@ class GraphDecodePlans:
             forward_batch.seq_lens,
             backend.page_size,
             total_pages=total,
-            out=fast.out,
+            out=(self.indptr[: bs + 1], self.indices, self.last_page_len[:bs]),
         )
-        backend.guard.before_plan(fast.wrapper)
-        fast.plan(torch.from_numpy(indptr), lens)
-        backend.guard.after_plan(fast.wrapper)
-        return fast.wrapper
+        host_indptr = torch.from_numpy(indptr)
+        for fast in plans.values():
+            backend.guard.before_plan(fast.wrapper)
+            fast.plan(host_indptr, lens)
+            backend.guard.after_plan(fast.wrapper)
+        return self.wrappers[bs]

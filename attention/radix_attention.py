@@ -67,3 +67,9 @@ class RadixAttention(nn.Module):
             f"head_dim={self.head_dim}, scaling={self.scaling:.4g}, "
             f"sliding_window={self.sliding_window}, logit_cap={self.logit_cap}"
         )
+
+
+def attention_layers(model: nn.Module) -> list[RadixAttention]:
+    """The model's attention layers, in module order (backends that plan per layer kind,
+    e.g. a window or a soft cap, read them at construction)."""
+    return [m for m in model.modules() if isinstance(m, RadixAttention)]

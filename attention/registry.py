@@ -45,16 +45,16 @@ def available_attention_backends() -> list[str]:
 
 
 # Backends whose kernels honour a layer's sliding window (`RadixAttention.sliding_window`).
-WINDOWED_BACKENDS = ("torch_native", "cpu")
+WINDOWED_BACKENDS = ("torch_native", "cpu", "flashinfer")
 
 
 def resolve_attention_backend(
     name: str, device: str, dtype: torch.dtype | str, sliding_window: int | None = None
 ) -> str:
-    """`--attention-backend auto` -> flashinfer on CUDA with fp16/bf16 when it is installed
-    and the model has no sliding window, cpu on a CPU, else torch_native. Any other name is
-    returned as is, unless the model has a window its kernels do not honour (a ValueError:
-    they would attend past the window and give wrong tokens without a word)."""
+    """`--attention-backend auto` -> flashinfer on CUDA with fp16/bf16 when it is installed,
+    cpu on a CPU, else torch_native. Any other name is returned as is, unless the model has
+    a window its kernels do not honour (a ValueError: they would attend past the window and
+    give wrong tokens without a word)."""
     if name != "auto":
         if sliding_window is not None and name not in WINDOWED_BACKENDS:
             raise ValueError(
@@ -68,7 +68,6 @@ def resolve_attention_backend(
         device.startswith("cuda")
         and dtype_name in _FLASHINFER_DTYPES
         and is_package_installed("flashinfer")
-        and sliding_window is None
     ):
         return "flashinfer"
     if device == "cpu":

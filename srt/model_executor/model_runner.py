@@ -32,6 +32,7 @@ import logging
 
 import torch
 
+from attention.radix_attention import attention_layers
 from attention.registry import create_attention_backend, resolve_attention_backend
 from mem_cache.allocator import TokenToKVPoolAllocator
 from mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -129,6 +130,7 @@ class ModelRunner:
             device=self.device,
             page_size=server_args.page_size,
             sliding_window=model_config.sliding_window,
+            layers=attention_layers(self.model),
         )
         self.init_memory_pool()
         self.sampler = make_sampler(server_args.sampling_backend, self.device)
@@ -263,7 +265,15 @@ class ModelRunner:
             and not self.server_args.is_embedding  # graphs are for decode, which it never runs
             and self.attn_backend.supports_cuda_graph
             and self.tp.size == 1
+            and self.uncapturable_layer() is None
         )
+
+    def uncapturable_layer(self) -> str | None:
+        """The class name of a model layer that cannot run inside a CUDA graph, if any."""
+        for module in self.model.modules():
+            if not getattr(module, "cuda_graph_capturable", True):
+                return type(module).__name__
+        return None
 
     def _graph_max_bs(self) -> int:
         """The largest decode batch a graph is captured for (0: no graphs)."""
@@ -283,6 +293,13 @@ class ModelRunner:
                 "Decode CUDA graphs off: tp size %d (capturing the NCCL all-reduces is not "
                 "supported yet)",
                 self.tp.size,
+            )
+            return None
+        uncapturable = self.uncapturable_layer()
+        if uncapturable is not None:
+            logger.info(
+                "Decode CUDA graphs off: the model's %s layers read sizes on the host",
+                uncapturable,
             )
             return None
         if graph_inputs is None:

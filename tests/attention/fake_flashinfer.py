@@ -5,7 +5,9 @@ last_page_len <= page_size, "NHD" paged caches `[pages, page_size, Hkv, D]`, cau
 aligned bottom-right, plan before run, and in CUDA-graph mode a fixed batch size whose
 indptr / indices / last_page_len live in the caller's buffers, which `run` reads (so a
 replay that forgot to re-plan reads stale buffers, as the real kernel would). Attention is
-computed per request in float64, then cast to the query dtype.
+computed per request in float64, then cast to the query dtype, with the plan's
+`window_left` (a query sees itself and that many keys back; -1: all) and
+`logits_soft_cap` (scores become cap * tanh(score / cap); 0 or None: as they are).
 
 Each wrapper also keeps what it was built with (`init_kwargs`, the keywords besides the
 workspace and layout, and `workspace_was_zero`), and its constructor takes exactly the
@@ -44,16 +46,22 @@ def _check_int32(**tensors: torch.Tensor) -> None:
         assert t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}"
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
-    """q [n, H, D], k/v [S, Hkv, D] -> [n, H, D]; causal bottom-right: query j sees S-n+j."""
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, planned: dict):
+    """q [n, H, D], k/v [S, Hkv, D] -> [n, H, D]; causal bottom-right: query j sits at
+    S-n+j and sees keys up to it; a decode query (n = 1) sits at S-1."""
     group = q.shape[1] // k.shape[1]
     k = k.double().repeat_interleave(group, dim=1)
     v = v.double().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
-    if causal:
-        n, s = q.shape[0], k.shape[0]
-        visible = torch.arange(s)[None, :] <= torch.arange(n)[:, None] + (s - n)
-        scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * planned["scale"]
+    cap = planned["soft_cap"]
+    if cap:
+        scores = cap * torch.tanh(scores / cap)
+    n, s = q.shape[0], k.shape[0]
+    keys, at = torch.arange(s)[None, :], torch.arange(n)[:, None] + (s - n)
+    visible = keys <= at if causal else torch.ones(n, s, dtype=torch.bool)
+    if planned["window_left"] >= 0:
+        visible = visible & (keys >= at - planned["window_left"])
+    scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
@@ -118,6 +126,8 @@ class _Base:
             "scale": kw.get("sm_scale") or head_dim**-0.5,
             "q_dtype": kw["q_data_type"],
             "causal": kw.get("causal", False),
+            "window_left": kw.get("window_left", -1),
+            "soft_cap": kw.get("logits_soft_cap") or 0.0,
         }
 
     def _check_q(self, q: torch.Tensor) -> None:
@@ -203,6 +213,8 @@ class BatchDecodeWithPagedKVCacheWrapper(_Base):
             self._pin_memory_int_workspace_buffer,
         )
         graph = self._use_cuda_graph
+        window_left = kw.get("window_left", -1)
+        soft_cap = float(kw.get("logits_soft_cap") or 0.0)
         if self._use_tensor_cores:
             kv_lens = (indptr_host[1:] - indptr_host[:-1] - 1).clamp(min=0) * page_size
             kv_lens = (kv_lens + host_last).to(torch.int32)
@@ -211,14 +223,14 @@ class BatchDecodeWithPagedKVCacheWrapper(_Base):
             qo_indptr = torch.arange(bs + 1, dtype=torch.int32)
             self._plan_info = self._cached_module.plan(
                 *workspaces, qo_indptr, indptr_host, kv_lens, bs, bs, h, hkv, page_size, graph,
-                d, d, False, -1, -1, False, 0, 0,
+                d, d, False, window_left, -1, False, 0, 0,
             )  # fmt: skip
         else:
             self._cached_module = FakeDecodePlanModule()
             empty = torch.empty(0, dtype=kw["q_data_type"])
             self._plan_info = self._cached_module.plan(
-                *workspaces, indptr_host, bs, h, hkv, page_size, graph, -1, 0.0, d, d,
-                empty, empty,
+                *workspaces, indptr_host, bs, h, hkv, page_size, graph, window_left, soft_cap,
+                d, d, empty, empty,
             )  # fmt: skip
         self.page_size = page_size
         self._plan(h, hkv, d, kw)
@@ -231,7 +243,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Base):
         out = torch.empty_like(q)
         for b in range(q.shape[0]):
             k, v = request_kv(*table, self.page_size, b, paged_kv_cache)
-            out[b] = _attend(q[b : b + 1], k, v, False, self.planned["scale"])[0].to(q.dtype)
+            out[b] = _attend(q[b : b + 1], k, v, False, self.planned)[0].to(q.dtype)
         return out
 
 
@@ -268,7 +280,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Base):
         for b in range(len(self.qo_indptr) - 1):
             lo, hi = int(self.qo_indptr[b]), int(self.qo_indptr[b + 1])
             k, v = self.table.kv(b, paged_kv_cache)
-            att = _attend(q[lo:hi], k, v, self.planned["causal"], self.planned["scale"])
+            att = _attend(q[lo:hi], k, v, self.planned["causal"], self.planned)
             out[lo:hi] = att.to(q.dtype)
         return out
 
@@ -302,9 +314,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Base):
         for b in range(len(self.qo_indptr) - 1):
             lo, hi = int(self.qo_indptr[b]), int(self.qo_indptr[b + 1])
             klo, khi = int(self.kv_indptr[b]), int(self.kv_indptr[b + 1])
-            att = _attend(
-                q[lo:hi], k[klo:khi], v[klo:khi], self.planned["causal"], self.planned["scale"]
-            )
+            att = _attend(q[lo:hi], k[klo:khi], v[klo:khi], self.planned["causal"], self.planned)
             out[lo:hi] = att.to(q.dtype)
         return out
 

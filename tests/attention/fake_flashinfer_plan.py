@@ -6,8 +6,9 @@ decode goes through) and checks what the C++ side needs: host int32 indptrs, a h
 pinned buffer, device workspaces. Like the real scheduler it writes a work partition into
 the pinned buffer (here: each request's page count, from the host indptr), "uploads" it
 into the int workspace, and returns plan info that under CUDA graphs depends on the batch
-size alone. `check_partition` is what a kernel launch sees: the uploaded partition must
-describe the page table it reads.
+size alone (and here also names the window it was planned with, so a replay that planned
+another window than its capture differs). `check_partition` is what a kernel launch sees:
+the uploaded partition must describe the page table it reads.
 """
 
 from __future__ import annotations
@@ -69,13 +70,15 @@ class FakeDecodePlanModule:
         pinned = page_locked_int_workspace_buffer
         _check_workspaces(float_workspace_buffer, int_workspace_buffer, pinned)
         _check_host_int32(indptr=indptr)
-        assert isinstance(enable_cuda_graph, bool) and window_left == -1
-        assert isinstance(logits_soft_cap, float) and head_dim_qk == head_dim_vo
+        assert isinstance(enable_cuda_graph, bool)
+        assert isinstance(window_left, int) and window_left >= -1
+        assert isinstance(logits_soft_cap, float) and logits_soft_cap >= 0.0
+        assert head_dim_qk == head_dim_vo
         assert num_qo_heads % num_kv_heads == 0 and page_size >= 1
         assert empty_q_data.numel() == empty_kv_data.numel() == 0
         assert empty_q_data.dtype in (torch.float16, torch.bfloat16)
         _upload_partition(int_workspace_buffer, pinned, indptr, batch_size)
-        return [batch_size, 0, 16, 32, 48, 64, 80, 96, int(enable_cuda_graph), 1]
+        return [batch_size, 0, 16, 32, 48, 64, 80, 96, int(enable_cuda_graph), 1, window_left]
 
 
 class FakePrefillPlanModule:
@@ -111,7 +114,8 @@ class FakePrefillPlanModule:
         _check_host_int32(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_len_arr=kv_len_arr)
         assert torch.equal(qo_indptr, torch.arange(batch_size + 1, dtype=torch.int32))
         assert total_num_rows == batch_size and len(kv_len_arr) == batch_size
-        assert isinstance(enable_cuda_graph, bool) and causal is False and window_left == -1
+        assert isinstance(enable_cuda_graph, bool) and causal is False
+        assert isinstance(window_left, int) and window_left >= -1
         assert fixed_split_size == -1 and disable_split_kv is False
         assert num_colocated_ctas == 0 and uniform_q_len == 0
         assert num_qo_heads % num_kv_heads == 0 and head_dim_qk == head_dim_vo
@@ -120,4 +124,5 @@ class FakePrefillPlanModule:
         lens = kv_len_arr.numpy()
         assert ((lens > (pages - 1) * page_size) & (lens <= pages * page_size)).all()
         _upload_partition(int_workspace_buffer, pinned, kv_indptr, batch_size)
-        return [batch_size, batch_size, 0, 16, 32, 48, 64, 80, 96, 112, 0, 0, 128, 1, 1]
+        info = [batch_size, batch_size, 0, 16, 32, 48, 64, 80, 96, 112, 0, 0, 128, 1, 1]
+        return [*info, window_left]

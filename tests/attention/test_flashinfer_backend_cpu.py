@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from attention import registry
+from attention import RadixAttention, registry
 from attention.registry import create_attention_backend, resolve_attention_backend
 from srt.model_executor.forward_batch import ForwardMode
 from srt.utils import registry as srt_registry
@@ -133,13 +133,15 @@ def test_every_wrapper_pins_fa2_on_a_zeroed_workspace(
     h.step([(0, 3), (1, 5)])
     backend.init_forward_metadata = backend.init_forward_metadata_capture_cuda_graph
     h.step([(0, 1), (1, 1)])
-    wrappers = [backend.ragged_prefill, backend.paged_prefill, backend.decode]
-    wrappers += list(backend.graphs.wrappers.values())
+    (eager,) = backend.wrappers.values()  # one variant
+    wrappers = [eager.ragged_prefill, eager.paged_prefill, eager.decode]
+    wrappers += [w for by_variant in backend.graphs.wrappers.values() for w in by_variant.values()]
     assert len(wrappers) == 4
     for w in wrappers:
         assert w.init_kwargs["backend"] == "fa2", (type(w).__name__, w.init_kwargs)
         assert w.workspace_was_zero, type(w).__name__
-    assert backend.graphs.wrappers[2].init_kwargs["use_cuda_graph"]
+    (graph_wrapper,) = backend.graphs.wrappers[2].values()
+    assert graph_wrapper.init_kwargs["use_cuda_graph"]
 
 
 def test_ragged_path_saves_kv_for_later_decodes(fake_flashinfer) -> None:
@@ -176,15 +178,69 @@ def test_auto_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_attention_backend("flashinfer", "cpu", torch.bfloat16) == "flashinfer"
 
 
-def test_a_sliding_window_model_never_gets_flashinfer(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FlashInfer is planned without the window here, so a windowed model gets torch_native
-    under auto and a clear error when flashinfer is asked for."""
+def test_a_sliding_window_model_gets_a_backend_that_honours_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every registered backend plans windows now: auto picks flashinfer on CUDA for a
+    windowed model too; the guard stays for a backend registered without window support."""
     monkeypatch.setattr(registry, "is_package_installed", lambda name: True)
-    assert resolve_attention_backend("auto", "cuda", torch.bfloat16, 4096) == "torch_native"
+    assert resolve_attention_backend("auto", "cuda", torch.bfloat16, 4096) == "flashinfer"
+    assert resolve_attention_backend("flashinfer", "cuda", torch.bfloat16, 4096) == "flashinfer"
     assert resolve_attention_backend("auto", "cpu", torch.float32, 4096) == "cpu"
     assert resolve_attention_backend("cpu", "cpu", torch.float32, 4096) == "cpu"
     with pytest.raises(ValueError, match="sliding-window"):
-        resolve_attention_backend("flashinfer", "cuda", torch.bfloat16, 4096)
+        resolve_attention_backend("no_windows_here", "cuda", torch.bfloat16, 4096)
+
+
+def windowed_harness(heads, kv_heads, page_size, window, cap) -> Harness:
+    """Layer 0 full, layer 1 with the window and / or cap; the backend built with both."""
+    layers = [
+        RadixAttention(heads, 16, 16**-0.5, kv_heads, 0),
+        RadixAttention(heads, 16, 16**-0.5, kv_heads, 1, window, cap),
+    ]
+    backend = make_backend(heads, kv_heads, page_size, layers=layers)
+    h = Harness(heads, kv_heads, torch.bfloat16, window=window, logit_cap=cap, page_size=page_size,
+                backend=backend)  # fmt: skip
+    return h
+
+
+@pytest.mark.parametrize(("window", "cap"), [(12, None), (None, 2.0), (12, 2.0)])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2)])
+def test_windowed_and_soft_capped_layers_against_reference(
+    fake_flashinfer, page_size: int, num_heads: int, num_kv_heads: int, window, cap
+) -> None:
+    """Two variants per batch (a full layer and a windowed and / or capped one), each
+    layer run by its own variant's wrapper, against the float64 reference with the window
+    and cap; prompts, chunks and decodes reach well past the window. Then CUDA-graph
+    capture and fast replay plan each variant over the shared page table."""
+    h = windowed_harness(num_heads, num_kv_heads, page_size, window, cap)
+    backend = h.builder.backend
+    assert len(backend.variants) == 2
+    plans = record_plans(h)
+    assert h.step([(0, 30), (1, 3), (2, 17)]) < TOL  # ragged
+    assert h.step([(0, 9), (1, 20), (3, 40)]) < TOL  # paged prefill on cached prefixes
+    for _ in range(3):
+        assert h.step([(0, 1), (1, 1), (2, 1), (3, 1)]) < TOL
+    assert all(len(p.wrappers) == 2 for p in plans)
+    backend.init_cuda_graph_state(max_bs=4, max_pages_per_req=512 // page_size)
+    backend.init_forward_metadata = backend.init_forward_metadata_capture_cuda_graph
+    assert h.step([(0, 1), (1, 1), (2, 1), (3, 1)]) < TOL
+    assert backend.graphs.paths == {4: "fast"}
+    backend.init_forward_metadata = backend.init_forward_metadata_replay_cuda_graph
+    for _ in range(12):  # every request's length moves past the window
+        assert h.step([(0, 1), (1, 1), (2, 1), (3, 1)]) < TOL
+    graph_wrappers = backend.graphs.wrappers[4].values()
+    assert all(w.full_plans == 1 for w in graph_wrappers)  # replays took the fast plan
+
+
+def test_a_layer_of_an_unplanned_variant_is_refused(fake_flashinfer) -> None:
+    """A backend built without the windowed layer must not run it with the full layers'
+    plan (it would attend past the window)."""
+    backend = make_backend(4, 4, page_size=1)  # built with no layers: one full variant
+    h = Harness(4, 4, torch.bfloat16, window=8, page_size=1, backend=backend)
+    with pytest.raises(ValueError, match="matches no planned variant"):
+        h.step([(0, 5)])
 
 
 def test_flashinfer_missing_gives_install_hint(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -120,7 +120,7 @@ def bucket(n: int) -> int:
 
 def graph_state(backend, bs: int, total: int) -> list[torch.Tensor]:
     graphs = backend.graphs
-    wrapper = graphs.wrappers[bs]
+    (wrapper,) = graphs.wrappers[bs].values()  # one variant
     return [
         graphs.indptr[: bs + 1].clone(),
         graphs.indices[:total].clone(),
@@ -152,7 +152,7 @@ def test_fast_replay_equals_full_plan(fake_flashinfer, page_size, heads, kv_head
         assert torch.equal(got, g.attend(full, theirs, queries))
         eager = g.attend(full, batch, queries[:, : len(rids)])  # planned by the builder
         assert torch.equal(got[:, : len(rids)], eager)
-    wrappers = fast.graphs.wrappers.values()
+    wrappers = [w for by_variant in fast.graphs.wrappers.values() for w in by_variant.values()]
     assert all(w.full_plans == 1 for w in wrappers)  # capture only: replays never called it
 
 
@@ -275,7 +275,7 @@ def check_full_plan_replays(caplog, reason: str, full_plans_at_capture: int = 1)
     assert set(backend.graphs.paths.values()) == {reason}
     logged = [r.getMessage() for r in caplog.records if r.name == "attention.flashinfer_replay"]
     assert len(logged) == 1 and logged[0].endswith(reason)  # once for all four sizes
-    wrapper = backend.graphs.wrappers[4]
+    (wrapper,) = backend.graphs.wrappers[4].values()
     assert wrapper.full_plans == full_plans_at_capture
     for step in range(3):
         batch = g.decode([0, 1, 2])

@@ -107,3 +107,40 @@ def test_flashinfer_against_float64_reference(page_size: int) -> None:
     assert h.step([(0, 20), (1, 40), (3, 5)], mode=ForwardMode.MIXED) < TOL
     for _ in range(5):
         assert h.step([(0, 1), (1, 1), (2, 1), (3, 1)]) < TOL
+
+
+@pytest.mark.parametrize(("window", "cap"), [(40, None), (None, 5.0), (40, 5.0)])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (8, 2)])  # decode kernel, tensor cores
+def test_windowed_and_soft_capped_layers_against_float64(page_size, heads, kv_heads, window, cap):
+    """A full layer beside a windowed and / or soft-capped one (Gemma 2's local and global
+    layers), each run by its own planned variant, against the float64 reference; lengths
+    reach far past the window; then the CUDA-graph capture and replay plans of both."""
+    head_dim = 64
+    layers = [
+        RadixAttention(heads, head_dim, head_dim**-0.5, kv_heads, 0),
+        RadixAttention(heads, head_dim, head_dim**-0.5, kv_heads, 1, window, cap),
+    ]
+    backend = create_attention_backend(
+        "flashinfer",
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+        device="cuda",
+        page_size=page_size,
+        layers=layers,
+    )
+    h = Harness(heads, kv_heads, torch.bfloat16, head_dim=head_dim, window=window,
+                logit_cap=cap, page_size=page_size, device="cuda", backend=backend)  # fmt: skip
+    assert h.step([(0, 100), (1, 3), (2, 57)]) < TOL
+    assert h.step([(0, 20), (1, 70), (3, 45)], mode=ForwardMode.MIXED) < TOL
+    for _ in range(3):
+        assert h.step([(0, 1), (1, 1), (2, 1), (3, 1)]) < TOL
+    backend.init_cuda_graph_state(max_bs=4, max_pages_per_req=512 // page_size)
+    backend.init_forward_metadata = backend.init_forward_metadata_capture_cuda_graph
+    assert h.step([(0, 1), (1, 1), (2, 1), (3, 1)]) < TOL
+    backend.init_forward_metadata = backend.init_forward_metadata_replay_cuda_graph
+    for _ in range(4):
+        assert h.step([(0, 1), (1, 1), (2, 1), (3, 1)]) < TOL
+    assert backend.graphs.paths == {4: "fast"}

@@ -63,3 +63,19 @@ def test_packed_experts_equal_the_plain_weights(tokens: int) -> None:
         plain = moe(x)
         assert moe.pack_for_cpu() and len(moe.packed_weights()) == 16
         torch.testing.assert_close(moe(x), plain, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("arch", "expected"), [("qwen3-moe", "SparseMoE"), ("qwen3", None)])
+def test_moe_models_keep_decode_graphs_off(arch: str, expected: str | None, tmp_path) -> None:
+    """The expert path reads its group sizes on the host, which a CUDA graph cannot
+    capture: the runner must find the layer (and so never capture one) in a MoE model."""
+    from srt.configs.model_config import ModelConfig
+    from srt.model_executor.model_runner import ModelRunner
+    from srt.server_args import ServerArgs
+    from tests.engine.tiny_models import save_tiny_model
+
+    folder = save_tiny_model(arch, tmp_path)
+    args = ServerArgs(model_path=str(folder), device="cpu", dtype="float32",
+                      skip_tokenizer_init=True, max_total_tokens=512)  # fmt: skip
+    runner = ModelRunner(ModelConfig.from_path(str(folder), dtype="float32"), args)
+    assert runner.uncapturable_layer() == expected
