@@ -5,8 +5,9 @@ Equal means identical, or else the first difference is at a near-tie of tp=1's l
 gap below `NEAR_TIE`, the rule the HF comparisons use): a sharded matmul sums in another order.
 tp=1 runs in the test process and reports its top-2 logprobs, whose gap is the logits' gap.
 
-Covered: tiny Llama, Qwen2 and Qwen3, Qwen2 with one KV head (replicated on both ranks), the
-default model (9 q / 3 KV heads, split 3 / 6); chunked prefill; a pool small enough to force
+Covered: tiny Llama, Qwen2 and Qwen3, Qwen2 with one KV head (replicated on both ranks),
+Mistral, Gemma 2 and 3, Phi-3, Qwen3-MoE and Mixtral, the default model (9 q / 3 KV heads,
+split 3 / 6); chunked prefill; a pool small enough to force
 retraction; the overlap and the normal loop; and no rank ever sampling unlike rank 0. Also:
 the ranks' share of the RAM and their agreed pool size, and a follower that samples other ids
 than rank 0 still feeding back rank 0's (through the overlap loop's future placeholders too).
@@ -196,6 +197,28 @@ def test_tiny_models_chunked(
         12,
         chunked_prefill_size=16,
         disable_overlap_schedule=not overlap,
+        max_total_tokens=2048,
+    )
+
+
+# Every architecture added since: windows (Mistral; Gemma's local layers, window 8 here),
+# Gemma 2's soft caps, Phi-3's merged qkv / gate_up split by rank, and the experts'
+# intermediate dimension split by rank (Qwen3-MoE, Mixtral).
+NEW_ARCHS = ["mistral", "gemma2", "gemma3", "phi3", "qwen3-moe", "mixtral"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", NEW_ARCHS)
+def test_new_architectures_chunked(tp2: TPRanks, arch: str, tmp_path) -> None:
+    folder = str(save_tiny_model(arch, tmp_path / arch))
+    prompts = rand_prompts([5, 23, 41], VOCAB, seed=1)
+    compare(
+        tp2,
+        folder,
+        prompts,
+        12,
+        chunked_prefill_size=16,
+        disable_overlap_schedule=arch not in ("gemma2", "qwen3-moe"),
         max_total_tokens=2048,
     )
 
