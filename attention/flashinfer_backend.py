@@ -62,6 +62,7 @@ from attention.base import AttentionBackend
 from attention.flashinfer_replay import GraphDecodePlans, PageTable
 from attention.flashinfer_utils import (
     PinnedPlanGuard,
+    Variant,
     build_kv_indices,
     decode_use_tensor_cores,
     host_indptr,
@@ -89,27 +90,6 @@ class PlanKind(enum.Enum):
     RAGGED_PREFILL = "ragged_prefill"
     PAGED_PREFILL = "paged_prefill"
     DECODE = "decode"
-
-
-@dataclass(frozen=True, slots=True)
-class Variant:
-    """What FlashInfer fixes per plan besides the batch: a layer's window, cap and scale."""
-
-    window_left: int  # keys a query sees before itself; -1: all of them
-    logits_soft_cap: float  # scores become cap * tanh(score / cap); 0.0: as they are
-    sm_scale: float
-
-    @classmethod
-    def of(cls, layer: RadixAttention) -> Variant:
-        window = -1 if layer.sliding_window is None else layer.sliding_window - 1
-        return cls(window, float(layer.logit_cap or 0.0), float(layer.scaling))
-
-    def plan_kwargs(self) -> dict[str, Any]:
-        return {
-            "window_left": self.window_left,
-            "logits_soft_cap": self.logits_soft_cap,
-            "sm_scale": self.sm_scale,
-        }
 
 
 @dataclass(slots=True)

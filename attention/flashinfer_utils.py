@@ -15,13 +15,14 @@ the same indptr / last_page_len on the host from `seq_lens_cpu` with numpy, whic
 FlashInfer's plan step reads (its work partition is computed on the CPU). Both use one
 formula, pages = ceil(n / page_size) and last = n - (pages - 1) * page_size, so they agree
 entry for entry. `PinnedPlanGuard` orders a wrapper's plans around the upload of its
-pinned plan buffer.
+pinned plan buffer. `Variant` is what a plan fixes per layer kind (window, soft cap, scale).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -31,6 +32,9 @@ import torch
 TENSOR_CORE_MIN_GROUP = 4
 
 HostLens = Sequence[int] | np.ndarray
+
+if TYPE_CHECKING:
+    from attention.radix_attention import RadixAttention
 
 
 def num_pages(seq_len: int, page_size: int) -> int:
@@ -167,3 +171,24 @@ class PinnedPlanGuard:
         if event is None:
             event = self._events[id(wrapper)] = self._new_event()
         event.record()
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """What FlashInfer fixes per plan besides the batch: a layer's window, cap and scale."""
+
+    window_left: int  # keys a query sees before itself; -1: all of them
+    logits_soft_cap: float  # scores become cap * tanh(score / cap); 0.0: as they are
+    sm_scale: float
+
+    @classmethod
+    def of(cls, layer: RadixAttention) -> Variant:
+        window = -1 if layer.sliding_window is None else layer.sliding_window - 1
+        return cls(window, float(layer.logit_cap or 0.0), float(layer.scaling))
+
+    def plan_kwargs(self) -> dict[str, Any]:
+        return {
+            "window_left": self.window_left,
+            "logits_soft_cap": self.logits_soft_cap,
+            "sm_scale": self.sm_scale,
+        }

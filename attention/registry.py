@@ -11,19 +11,25 @@ if TYPE_CHECKING:
     import torch
 
     from attention.base import AttentionBackend
+    from attention.radix_attention import attention_layers
 
 __all__ = [
     "ATTENTION_BACKENDS",
     "AttentionBackend",
+    "attention_layers",
     "available_attention_backends",
     "create_attention_backend",
     "is_package_installed",
     "resolve_attention_backend",
 ]
 
-# For type hints elsewhere (`srt/` reaches attention only through this module), imported on
-# first use: the HTTP server reads the backend names here without importing torch.
-__getattr__ = lazy_exports(__name__, {"AttentionBackend": "attention.base"})
+# For type hints and the model's layer scan elsewhere (`srt/` reaches attention only through
+# this module), imported on first use: the HTTP server reads the backend names here without
+# importing torch.
+__getattr__ = lazy_exports(
+    __name__,
+    {"AttentionBackend": "attention.base", "attention_layers": "attention.radix_attention"},
+)
 
 # GPU backends register with the package they need, which is only imported when one is chosen.
 ATTENTION_BACKENDS: Registry[AttentionBackend] = Registry("attention backend")

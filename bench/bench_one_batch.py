@@ -32,7 +32,7 @@ from managers.schedule_batch import ScheduleBatch
 from mem_cache.chunk_cache import ChunkCache
 from mem_cache.kv_manager import KVManager
 from srt.sampling.sampling_params import SamplingParams
-from srt.server_args import ServerArgs
+from srt.server_args_cli import add_cli_args, from_cli_args
 
 
 def random_prompts(batch_size: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -172,9 +172,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--run-name", default="default")
     p.add_argument("--result-filename", default=None, help="append one JSON line per batch")
     p.add_argument("--profile", action="store_true", help="profile the decode steps")
-    ServerArgs.add_cli_args(p)
+    add_cli_args(p)
     args = p.parse_args(argv)
-    server_args = ServerArgs.from_cli_args(args)
+    server_args = from_cli_args(args)
     logging.basicConfig(level=server_args.log_level.upper())
     max_bs = max(args.batch_size)
     if server_args.max_total_tokens is None:

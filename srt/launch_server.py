@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from srt.server_args import prepare_server_args
+from srt.server_args_cli import prepare_server_args
 from srt.utils.process import configure_logging
 
 

@@ -32,8 +32,11 @@ import logging
 
 import torch
 
-from attention.radix_attention import attention_layers
-from attention.registry import create_attention_backend, resolve_attention_backend
+from attention.registry import (
+    attention_layers,
+    create_attention_backend,
+    resolve_attention_backend,
+)
 from mem_cache.allocator import TokenToKVPoolAllocator
 from mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from srt.configs.model_config import ModelConfig

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 
 from managers.inprocess import InProcessDriver
-from srt.server_args import ServerArgs, prepare_server_args
+from srt.server_args import ServerArgs
+from srt.server_args_cli import prepare_server_args
 from tests.managers.scripted_worker import ScriptedWorker, assert_idle_and_clean
 
 

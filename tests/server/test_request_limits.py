@@ -20,7 +20,7 @@ import pytest
 import requests
 
 from srt import environ
-from srt.server_args import prepare_server_args
+from srt.server_args_cli import prepare_server_args
 from tests.conftest import SERVER_ARGS
 
 pytestmark = pytest.mark.slow

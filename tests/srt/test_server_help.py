@@ -7,7 +7,8 @@ import dataclasses
 import subprocess
 import sys
 
-from srt.server_args import HELP_GROUPS, ServerArgs
+from srt.server_args import ServerArgs
+from srt.server_args_cli import HELP_GROUPS
 
 
 def help_text() -> str:
