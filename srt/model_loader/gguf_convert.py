@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from srt import environ
+from srt.model_loader.gguf_config import restore_config
 
 if TYPE_CHECKING:  # torch is imported only to convert: finding a converted folder needs none
     import torch
@@ -36,8 +37,8 @@ logger = logging.getLogger(__name__)
 
 MARKER_FILE = "radixrt_gguf.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
-# Bump when the folder layout changes so old conversions are not reused.
-FORMAT_VERSION = 1
+# Bump when what a conversion writes changes, so old conversions are not reused.
+FORMAT_VERSION = 2
 
 
 def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
@@ -173,20 +174,30 @@ def _gguf_read_once() -> Iterator[None]:
 
 
 def _write_hf_folder(gguf_path: Path, out: Path, dtype: torch.dtype) -> None:
+    import gguf
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     src_dir, name = str(gguf_path.parent), gguf_path.name
     try:
         tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(
-            src_dir, gguf_file=name, dtype=dtype, local_files_only=True
+        config = AutoConfig.from_pretrained(src_dir, gguf_file=name, local_files_only=True)
+        # Before the model is built: some of what it restores sizes the weights.
+        restore_config(config, gguf.GGUFReader(gguf_path))
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            src_dir,
+            gguf_file=name,
+            config=config,
+            dtype=dtype,
+            local_files_only=True,
+            output_loading_info=True,
         )
     except (ValueError, KeyError, NotImplementedError) as e:
         raise RuntimeError(
             f"transformers could not read {gguf_path} (unsupported GGUF architecture or "
             f"quantization?): {e}"
         ) from e
+    _refuse_missing_weights(gguf_path, loading["missing_keys"])
 
     save_file(_untied_state_dict(model, dtype), str(out / "model.safetensors"), {"format": "pt"})
 
@@ -207,11 +218,33 @@ def _write_hf_folder(gguf_path: Path, out: Path, dtype: torch.dtype) -> None:
     del model
 
 
+def _refuse_missing_weights(gguf_path: Path, missing: list[str]) -> None:
+    """transformers starts a weight the file lacks at random and only logs it; served, the
+    model would answer noise."""
+    if missing:
+        shown = ", ".join(sorted(missing)[:4]) + (" ..." if len(missing) > 4 else "")
+        raise RuntimeError(
+            f"{gguf_path.name} holds no tensor for {len(missing)} weight(s) of the model "
+            f"transformers builds from its metadata ({shown}): its GGUF reader does not know "
+            "this variant of the file's architecture (Mixtral, which llama.cpp writes as a "
+            "Llama with experts, is one). Serve the model's HF folder instead."
+        )
+
+
 def _untied_state_dict(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The state dict with aliases of one storage (tied embeddings) written once."""
+    """The weights as the model's HF checkpoints lay them out, which is what the loaders
+    read, with aliases of one storage (tied embeddings) written once.
+
+    transformers fuses some weights as it loads them (a MoE layer's experts into one tensor)
+    and splits them back as it saves, but keeps no record of that for a model read from a
+    GGUF file; cleared, the record is rebuilt from the model's class, as for a new model."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    model._weight_conversions = None
+    state_dict = revert_weight_conversion(model, model.state_dict())
     seen: set[tuple[int, tuple[int, ...]]] = set()
     tensors: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in state_dict.items():
         key = (tensor.untyped_storage().data_ptr() + tensor.storage_offset(), tuple(tensor.shape))
         if key in seen:
             logger.debug("Skipping tied tensor %s", name)
