@@ -265,7 +265,7 @@ def test_null_publisher_records_nothing() -> None:
 
 
 def test_bad_config_stops_the_command_line_before_the_model_loads(capsys) -> None:
-    from srt.server_args import prepare_server_args
+    from srt.server_args_cli import prepare_server_args
 
     with pytest.raises(SystemExit) as exc:
         prepare_server_args(["--kv-events-config", '{"endpoint": "tcp://*:1", "bogus": 1}'])

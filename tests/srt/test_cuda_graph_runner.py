@@ -274,7 +274,7 @@ def test_capture_warms_up_on_the_capture_stream_then_synchronizes(
 
 
 def test_cuda_graph_flags() -> None:
-    from srt.server_args import prepare_server_args
+    from srt.server_args_cli import prepare_server_args
 
     args = prepare_server_args(
         ["--attention-backend", "flashinfer", "--disable-cuda-graph", "--cuda-graph-max-bs", "256"]

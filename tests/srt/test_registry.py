@@ -15,7 +15,8 @@ from disagg.transfer import TRANSFER_BACKENDS, create_transfer_backend
 from mem_cache.evict_policy import EVICTION_POLICIES
 from mem_cache.registry import PREFIX_CACHES
 from srt.sampling.registry import SAMPLERS
-from srt.server_args import ServerArgs, prepare_server_args
+from srt.server_args import ServerArgs
+from srt.server_args_cli import prepare_server_args
 from srt.utils.registry import Registry
 
 REPO = Path(__file__).resolve().parents[2]
