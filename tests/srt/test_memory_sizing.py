@@ -158,7 +158,7 @@ def test_runner_sizing_subtracts_table_and_graphs(
     monkeypatch.setattr(mr, "build_profile_batch", lambda *a: None)
     monkeypatch.setattr(mr, "profile_activation_peak", lambda *a: peak)
     runner = mr.ModelRunner.__new__(mr.ModelRunner)
-    runner.model, runner.device = None, "cuda"
+    runner.model, runner.device = torch.nn.Linear(1, 1), "cuda"  # no uncapturable layer
     layers = {k: getattr(FakeConfig, k) for k in ("num_hidden_layers", "num_key_value_heads")}
     runner.model_config = SimpleNamespace(
         context_len=8192, vocab_size=32000, dtype=torch.bfloat16, head_dim=64, **layers

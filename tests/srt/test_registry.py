@@ -118,13 +118,14 @@ def test_server_args_choices_are_the_registry_names(
 
 
 def test_server_args_import_stays_cheap() -> None:
-    """Importing server_args loads no registry package (they import torch); parsing does."""
+    """Importing server_args (and its command line) loads no registry package (they import
+    torch); parsing does."""
     check = textwrap.dedent(
         """
         import sys
-        import srt.server_args
+        import srt.server_args_cli
         assert "torch" not in sys.modules, "torch imported"
-        args = srt.server_args.prepare_server_args(["--grammar-backend", "none"])
+        args = srt.server_args_cli.prepare_server_args(["--grammar-backend", "none"])
         assert args.grammar_backend == "none"
         """
     )
