@@ -111,16 +111,16 @@ def test_both_loops_give_the_same_constrained_outputs(
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "normal"])
 def test_retracted_constrained_requests_stay_valid(overlap: bool) -> None:
-    # A 400-token pool and a low reservation for future decode tokens: most of the ten
+    # A 260-token pool and a low reservation for future decode tokens: most of the six
     # requests are admitted at once, then outgrow the pool as their JSON gets longer.
     d = make_driver(
-        max_total_tokens=400,
+        max_total_tokens=260,
         schedule_conservativeness=0.1,
         disable_overlap_schedule=not overlap,
     )
     schemas = [SCHEMAS[19], SCHEMAS[14]]  # the longest outputs: arrays of objects
     prompts, params = [], []
-    for i in range(10):
+    for i in range(6):
         desc, schema = schemas[i % 2]
         prompts.append(chat(d, f"Give me a JSON object describing {desc}."))
         params.append(

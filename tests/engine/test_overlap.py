@@ -44,7 +44,7 @@ def driver(worker: Any, overlap: bool) -> Iterator[InProcessDriver]:
 
 def run_w1(worker: Any, overlap: bool) -> list[list[int]]:
     with driver(worker, overlap) as d:
-        prompts = w1_prompts(12, 64, 512, d.scheduler.vocab_size, seed=0)
+        prompts = w1_prompts(8, 64, 512, d.scheduler.vocab_size, seed=0)
         outs = d.generate(prompts, {"max_new_tokens": 32, "ignore_eos": True, "temperature": 0})
         d.scheduler.check_memory()
     return [o["output_ids"] for o in outs]
