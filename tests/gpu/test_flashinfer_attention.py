@@ -20,7 +20,7 @@ TOL = 2e-2  # bf16 outputs of O(1) magnitude
 SHAPES = [(9, 3, 64), (16, 8, 128), (32, 8, 128)]
 
 
-def flashinfer_backend(heads: int, kv_heads: int, head_dim: int, page_size: int):
+def flashinfer_backend(heads: int, kv_heads: int, head_dim: int, page_size: int, layers=()):
     return create_attention_backend(
         "flashinfer",
         num_heads=heads,
@@ -29,6 +29,7 @@ def flashinfer_backend(heads: int, kv_heads: int, head_dim: int, page_size: int)
         dtype=torch.bfloat16,
         device="cuda",
         page_size=page_size,
+        layers=layers,
     )
 
 
@@ -121,16 +122,7 @@ def test_windowed_and_soft_capped_layers_against_float64(page_size, heads, kv_he
         RadixAttention(heads, head_dim, head_dim**-0.5, kv_heads, 0),
         RadixAttention(heads, head_dim, head_dim**-0.5, kv_heads, 1, window, cap),
     ]
-    backend = create_attention_backend(
-        "flashinfer",
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        dtype=torch.bfloat16,
-        device="cuda",
-        page_size=page_size,
-        layers=layers,
-    )
+    backend = flashinfer_backend(heads, kv_heads, head_dim, page_size, layers)
     h = Harness(heads, kv_heads, torch.bfloat16, head_dim=head_dim, window=window,
                 logit_cap=cap, page_size=page_size, device="cuda", backend=backend)  # fmt: skip
     assert h.step([(0, 100), (1, 3), (2, 57)]) < TOL
