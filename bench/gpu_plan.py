@@ -45,7 +45,9 @@ CALLS: list[dict] = [
         "torch_native on ragged batches with cached prefixes, page sizes 1 and 16 "
         "(test_flashinfer_attention); graph replay == eager (test_cuda_graph_gpu), and the lean "
         "replay plan against torch_native with the host a step ahead "
-        "(test_flashinfer_graph_replay); the README "
+        "(test_flashinfer_graph_replay); layers with a sliding window and / or soft cap "
+        "against float64, and tiny Mistral, Qwen2-window, Gemma 2 and 3 with flashinfer + "
+        "graphs == torch_native (test_flashinfer_attention, test_gpu_models); the README "
         "rows of a 0.6B model with head_dim 128 and GQA 2 (--load-format dummy): decode tok/s "
         "and HBM roofline fraction at batch 1, 64, 256, graphs on and off; W1 x 256 prompts "
         "(input and output U[100, 1024]), overlap on and off, then the integrity check; host and "
@@ -58,8 +60,9 @@ CALLS: list[dict] = [
             "nvcc --version | tail -2; echo ninja $(ninja --version); "
             f'$PY -c "{PROBE}"; }} 2>&1 | tee $OUT/device.txt; '
             "timeout 240 $PY -m bench.gpu_session warm 2>&1 | tee $OUT/warm.log; "
-            f"timeout 150 {PYTEST} tests/gpu/test_flashinfer_attention.py "
+            f"timeout 200 {PYTEST} tests/gpu/test_flashinfer_attention.py "
             "tests/gpu/test_cuda_graph_gpu.py tests/gpu/test_flashinfer_graph_replay.py "
+            "tests/gpu/test_gpu_models.py "
             "2>&1 | tee $OUT/attention.log; " + bench_command("qwen3-0.6b", 300, " --profile")
         ),
     },

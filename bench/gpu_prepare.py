@@ -45,7 +45,7 @@ GPU_DIR = REPO / ".gpu"
 CACHE = Path.home() / ".cache" / "radixrt-gpu-wheels"
 MIB = 1 << 20
 CALL_LIMIT = 64 * MIB  # one call: the working tree plus its carried paths
-TREE_MARGIN = 2 * MIB  # room for files others add to the working tree before the session
+TREE_MARGIN = MIB // 2  # room for files others add to the working tree before the session
 FLASHINFER = "flashinfer-python==0.7.2.post1"
 # FlashInfer's JIT needs tvm-ffi (its metadata: apache-tvm-ffi<0.2,>=0.1.11); gguf converts
 # the default model; the rest is what `srt.launch_server` imports that the device lacks
@@ -165,9 +165,10 @@ def build_site(wheels: list[Path], out: Path, aot: Path | None) -> None:
         if aot is not None:
             shutil.copytree(aot, Path(tmp) / "flashinfer" / "data" / "aot", dirs_exist_ok=True)
         print(f"site tree: {sum(f.stat().st_size for f in Path(tmp).rglob('*')) / MIB:.0f} MiB")
-        # xz with -T0 is many times faster than tarfile's lzma, same format.
+        # xz with -T0 is many times faster than tarfile's lzma, same format; -9, because the
+        # site and half the model must fit one call.
         partial = out.with_suffix(".partial")
-        cmd = f"tar -C {tmp} -cf - . | xz -T0 -6 > {partial}"
+        cmd = f"tar -C {tmp} -cf - . | xz -T0 -9 > {partial}"
         subprocess.run(["bash", "-o", "pipefail", "-c", cmd], check=True)
         partial.replace(out)
 
@@ -335,6 +336,6 @@ def prepare(dry_run: bool) -> None:
         if size > room:
             raise SystemExit(
                 f"FAILED: {call} would carry {size / MIB:.1f} MiB, over the "
-                f"{room / MIB:.1f} MiB left of the 64 MiB limit (tree + {TREE_MARGIN // MIB} MiB)"
+                f"{room / MIB:.1f} MiB left of the 64 MiB limit (tree + {TREE_MARGIN / MIB:g} MiB)"
             )
     print("prepare: done; `bash bench/gpu_session.sh plan` prints the calls")
