@@ -251,6 +251,7 @@ class SchedulerState:
     forward_ct: int
     memory_integrity: MemoryIntegrity
     tp_rank: int = 0
+    grammar_cache_entries: int = 0  # compiled grammars kept (bounded by the cache's size)
 
 
 @dataclass
