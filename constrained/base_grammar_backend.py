@@ -132,6 +132,10 @@ class BaseGrammarBackend(ABC):
         self.cache = GrammarCache(cache_size)
         self.limits = limits or GrammarLimits()
 
+    def num_cached(self) -> int:
+        """Compiled grammars kept for reuse (at most the cache's size)."""
+        return len(self.cache)
+
     def shutdown(self) -> None:
         """Stop taking compiles; queued ones are dropped, running ones finish in the background."""
         for executor in {self.executor, self.small_executor}:

@@ -339,7 +339,7 @@ class Scheduler:
             forward_ct=self.output.forward_ct,
             memory_integrity=self.memory_check,
             tp_rank=self.tp_rank,
-            grammar_cache_entries=len(grammars.cache) if (grammars := self.grammar_backend) else 0,
+            grammar_cache_entries=self.grammar_backend.num_cached() if self.grammar_backend else 0,
         )
 
 

@@ -77,6 +77,9 @@ class ScriptedGrammarBackend:
         self.compile_s = compile_s
         self.pending: list[tuple[GrammarKey, Future[Any]]] = []
 
+    def num_cached(self) -> int:
+        return 0  # nothing is kept: each compile is scripted anew
+
     def compile_async(self, key: GrammarKey) -> Future[Any]:
         future: Future[Any] = Future()
         if self.compile_s is None:
