@@ -25,10 +25,7 @@ import asyncio
 import json
 import os
 import random
-import subprocess
-import sys
 import time
-import urllib.request
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,6 +33,7 @@ from typing import Any
 
 import aiohttp
 
+from bench.launch import start_radixrt, stop
 from bench.soak_report import write_report
 
 SCHEMAS = [
@@ -302,42 +300,18 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     server = None
     if args.url is None:
-        server = start_server(args)
+        bound = ["--max-queued-requests", str(QUEUE_BOUND)]
+        server, args.url = start_radixrt([*args.server_args.split(), *bound])
+        args.pid = server.pid
     try:
         record = asyncio.run(soak(args))
     finally:
         if server is not None:
-            server.terminate()
-            server.wait(60)
+            stop(server)
     write_report(record, args.out)
     print((args.out / "soak.md").read_text())
     if record["failures"] or record["memory_integrity"].get("ok") is not True:
         raise SystemExit(1)
-
-
-def start_server(args: argparse.Namespace) -> subprocess.Popen:
-    port = 31700
-    cmd = [
-        sys.executable,
-        "-m",
-        "srt.launch_server",
-        "--port",
-        str(port),
-        *args.server_args.split(),
-    ]
-    cmd += ["--max-queued-requests", str(QUEUE_BOUND)]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    args.url, args.pid = f"http://127.0.0.1:{port}", server.pid
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            urllib.request.urlopen(f"{args.url}/health")
-            return server
-        except OSError:
-            if time.monotonic() > deadline or server.poll() is not None:
-                server.kill()
-                raise SystemExit("the server did not start") from None
-            time.sleep(1)
 
 
 if __name__ == "__main__":

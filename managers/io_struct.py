@@ -293,6 +293,9 @@ class SchedulerStats:
     # (waiting, or compiling their grammar).
     num_used_tokens: int = 0
     num_queued_tokens: int = 0
+    # What `--max-queued-requests` bounds: requests not admitted beyond the free rows the
+    # next step admits into (the main process refuses from it, `managers/admission.py`).
+    num_backlog_reqs: int = 0
 
 
 @dataclass

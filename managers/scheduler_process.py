@@ -271,6 +271,7 @@ class SchedulerServer:
                 worker_busy_s=out.idle_tracker.busy_s,
                 num_used_tokens=used_tokens,
                 num_queued_tokens=s.intake.num_queued_tokens(),  # waiting or compiling
+                num_backlog_reqs=s.intake.num_queued() - s.kv.free_rows(),
             )
         )
 

@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 import zmq
 import zmq.asyncio
 
+from managers.admission import FrontAdmission
 from managers.errors import RequestError
 from managers.io_struct import (
     AbortReq,
@@ -48,6 +49,7 @@ from managers.io_struct import (
     SchedulerReady,
     SchedulerState,
     SchedulerStats,
+    TokenizedGenerateReqInput,
 )
 from managers.metrics import ServerMetrics
 from managers.parallel_sampling import RidTable, make_requests, prefill_rid
@@ -106,6 +108,12 @@ class TokenizerManager:
         # When the scheduler was last heard from (its stats are its heartbeat).
         self.last_heartbeat = time.monotonic()
         self.rid_to_state: dict[str, ReqState] = {}
+        # With priorities, an urgent newcomer may take a queued request's place: only the
+        # scheduler, which sees the queue's priorities, can refuse then.
+        front_bound = (
+            None if server_args.enable_priority_scheduling else server_args.max_queued_requests
+        )
+        self.admission = FrontAdmission(front_bound, self.max_running_requests)
         self.rids = RidTable()
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, "radixrt-tokenize")
         self.control_waiters: dict[type, deque[asyncio.Future[Any]]] = {}
@@ -141,6 +149,7 @@ class TokenizerManager:
             self.on_batch_output(msg)
         elif isinstance(msg, SchedulerStats):
             self.last_stats = msg
+            self.admission.on_stats(msg)
             self.last_heartbeat = time.monotonic()
             self.metrics.on_scheduler_stats(msg)
         elif isinstance(msg, (FlushCacheReqOutput, GetInternalStateReqOutput)):
@@ -176,6 +185,7 @@ class TokenizerManager:
                     out.cached_tokens,
                 )
                 del self.rid_to_state[out.rid]
+                self.admission.on_ended(1)
             state.notify()
 
     def token_text(self, token_id: int) -> str | None:
@@ -199,14 +209,40 @@ class TokenizerManager:
             error = self.pooling.check_dimensions(obj.embed.dimensions)
             if error is not None:
                 raise RequestError(error, param="dimensions")
-        self.check_capacity()
-        self.ensure_started()
-        loop = asyncio.get_running_loop()
-        input_ids, params = await loop.run_in_executor(
-            self.tokenize_pool, self.tokenize_and_validate, obj
-        )
-        self.check_alive()  # shutdown may have begun while the prompt was tokenized
-        rid = obj.rid if obj.rid is not None else uuid.uuid4().hex
+        with self.admission.arrival(len(self.rid_to_state)) as arrival:
+            self.ensure_started()
+            loop = asyncio.get_running_loop()
+            input_ids, params = await loop.run_in_executor(
+                self.tokenize_pool, self.tokenize_and_validate, obj
+            )
+            self.check_alive()  # shutdown may have begun while the prompt was tokenized
+            rid = obj.rid if obj.rid is not None else uuid.uuid4().hex
+            msgs, states = self.build_requests(rid, obj, input_ids, params)
+            self.rids.reserve(rid, params.n)  # 400 if any of its rids is a running request's
+            try:
+                for state in states:
+                    self.rid_to_state[state.rid] = state
+                for msg in msgs:
+                    self.send_to_scheduler.send_pyobj(msg)
+                # n > 1 also sends a prefill-only request, which ends unseen: not counted.
+                arrival.sent(len(states))
+                async for out in wait_outputs(states, states[0].ready, obj.stream, request):
+                    yield out
+            finally:
+                unfinished = [s for s in states if not s.finished]
+                for state in unfinished:
+                    self.rid_to_state.pop(state.rid, None)
+                    self.send_to_scheduler.send_pyobj(AbortReq(state.rid))
+                self.admission.on_ended(len(unfinished))
+                if unfinished and params.n > 1:
+                    self.send_to_scheduler.send_pyobj(AbortReq(prefill_rid(rid)))
+                self.rids.release(rid)
+
+    def build_requests(
+        self, rid: str, obj: GenerateReqInput, input_ids: list[int], params: SamplingParams
+    ) -> tuple[list[TokenizedGenerateReqInput], list[ReqState]]:
+        """The scheduler's messages for `obj` (one per sample, and a shared prefill first
+        when n > 1) and the states that collect their outputs, one per sample."""
         msgs = make_requests(
             rid,
             input_ids,
@@ -230,22 +266,7 @@ class TokenizerManager:
             )
             for j, m in enumerate(samples)
         ]
-        self.rids.reserve(rid, params.n)  # 400 if any of its rids is a running request's
-        try:
-            for state in states:
-                self.rid_to_state[state.rid] = state
-            for msg in msgs:
-                self.send_to_scheduler.send_pyobj(msg)
-            async for out in wait_outputs(states, ready, obj.stream, request):
-                yield out
-        finally:
-            unfinished = [s for s in states if not s.finished]
-            for state in unfinished:
-                self.rid_to_state.pop(state.rid, None)
-                self.send_to_scheduler.send_pyobj(AbortReq(state.rid))
-            if unfinished and params.n > 1:
-                self.send_to_scheduler.send_pyobj(AbortReq(prefill_rid(rid)))
-            self.rids.release(rid)
+        return msgs, states
 
     def tokenize_and_validate(self, obj: GenerateReqInput) -> tuple[list[int], SamplingParams]:
         """Runs on `tokenize_pool`: it only reads the manager."""
@@ -257,20 +278,6 @@ class TokenizerManager:
             self.server_args.max_batch_size,
             grammar_limits(self.server_args),
         )
-
-    def check_capacity(self) -> None:
-        """A 503 at once, before tokenizing, when the queue is surely full: more requests are
-        unfinished here than can run plus `--max-queued-requests`. The scheduler's count is
-        exact and refuses the rest; this only spares a refused client a scheduler step."""
-        bound = self.server_args.max_queued_requests
-        if bound is None:
-            return
-        queued = len(self.rid_to_state) - self.max_running_requests
-        if queued >= bound:
-            raise RequestError.overloaded(
-                f"The server is overloaded: {queued} requests are waiting for admission "
-                f"(--max-queued-requests {bound}); retry later."
-            )
 
     # ---- control -------------------------------------------------------------------
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:

@@ -25,15 +25,17 @@ def install_state(
     app.state.show_local_paths = show_local_paths
 
 
-def get_tokenizer_manager(request: Request) -> TokenizerManager:
+# The getters are coroutines: FastAPI runs a plain-function dependency in its thread pool,
+# a thread hop on every request for an attribute read.
+async def get_tokenizer_manager(request: Request) -> TokenizerManager:
     return request.app.state.tokenizer_manager
 
 
-def get_server_args(request: Request) -> ServerArgs:
+async def get_server_args(request: Request) -> ServerArgs:
     return request.app.state.server_args
 
 
-def get_show_local_paths(request: Request) -> bool:
+async def get_show_local_paths(request: Request) -> bool:
     return request.app.state.show_local_paths
 
 

@@ -8,7 +8,8 @@ One server: 2 running requests at most, 4 queued at most. Latencies are printed,
 
 from __future__ import annotations
 
-import statistics
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ import orjson
 import pytest
 import requests
 
+from bench import burst
 from tests.server.server_process import ServerProcess
 
 MAX_RUNNING = 2
@@ -104,43 +106,16 @@ def assert_overloaded(resp: requests.Response) -> dict:
 
 @pytest.mark.slow
 def test_40_concurrent_requests_overflow_with_fast_503s(url: str) -> None:
-    n, new_tokens = 40, 48
-    results: list[tuple[int, float, float, requests.Response]] = []
-    lock = threading.Lock()
-    start = threading.Barrier(n)
-
-    def one(i: int) -> None:
-        start.wait()
-        t0 = time.monotonic()
-        r = requests.post(url + "/generate", json=body(i, new_tokens), timeout=TIMEOUT_S)
-        with lock:
-            results.append((r.status_code, t0, time.monotonic(), r))
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(TIMEOUT_S)
-    assert len(results) == n
-    assert {code for code, *_ in results} <= {200, 503}, [c for c, *_ in results]
-    done = [(t1, r) for code, _, t1, r in results if code == 200]
-    refused = [(t1 - t0, t1, r) for code, t0, t1, r in results if code == 503]
-    assert len(done) >= MAX_RUNNING + MAX_QUEUED, len(done)
-    assert refused, "nothing was refused"
-    for _, r in done:
-        reason = r.json()["meta_info"]["finish_reason"]
-        assert reason == {"type": "length", "length": new_tokens}
-    for _, _, r in refused:
-        assert "--max-queued-requests" in assert_overloaded(r)["message"]
-    first_done = min(t1 for t1, _ in done)
-    assert all(t1 < first_done for _, t1, _ in refused), "a 503 came after a request finished"
-    lat = sorted(1000 * dt for dt, _, _ in refused)
-    print(
-        f"\n{len(done)} completed, {len(refused)} refused; 503 latency ms: "
-        f"median {statistics.median(lat):.1f}, max {lat[-1]:.1f}; first completion "
-        f"{1000 * (first_done - min(t0 for _, t0, _, _ in results)):.0f} ms after the start"
-    )
-    assert_idle_and_clean(url)
+    """`bench/burst.py` against this server: its plumbing, and the refusals' order."""
+    record = burst.main(["--url", url, "--n", "40", "--input-len", "64", "--output-len", "48"])
+    assert record["other"] == [] and record["requests"] == 40
+    assert record["completed"] >= MAX_RUNNING + MAX_QUEUED, record
+    assert record["refused_503"] == 40 - record["completed"] > 0, record
+    assert record["refused_after_first_completion"] == 0, record
+    assert record["memory_integrity"]["ok"] is True, record
+    assert record["memory_integrity"]["token_usage_idle"] == 0, record
+    refusal = record["refusal"]
+    print(f"\n503 latency ms: median {refusal['median_ms']:.1f}, max {refusal['max_ms']:.1f}")
 
 
 @pytest.mark.slow
@@ -269,4 +244,39 @@ def test_stream_refused_by_a_full_queue_gets_503(url: str, path: str) -> None:
         running.stop()
         if queued is not None:
             queued.stop()
+    assert_idle_and_clean(url)
+
+
+def test_burst_refused_without_the_scheduler(url: str) -> None:
+    """The main process refuses what its own counts show over the bound, in any arrival
+    order: with the scheduler stopped (as it is, in effect, during a long prefill step) a
+    burst of 10 gets its 4 refusals at once, and the 6 admitted complete once it resumes."""
+    n = MAX_RUNNING + MAX_QUEUED + 4
+    results: list[requests.Response] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        r = requests.post(url + "/generate", json=body(i, 4), timeout=TIMEOUT_S)
+        with lock:
+            results.append(r)
+
+    scheduler_pid = state(url)["pid"]
+    os.kill(scheduler_pid, signal.SIGSTOP)
+    try:
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while len(results) < n - MAX_RUNNING - MAX_QUEUED and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with lock:
+            refused = list(results)
+    finally:
+        os.kill(scheduler_pid, signal.SIGCONT)
+    for t in threads:
+        t.join(TIMEOUT_S)
+    assert len(refused) == n - MAX_RUNNING - MAX_QUEUED, [r.status_code for r in refused]
+    for r in refused:
+        assert "--max-queued-requests" in assert_overloaded(r)["message"]
+    assert sorted(r.status_code for r in results) == [200] * (MAX_RUNNING + MAX_QUEUED) + [503] * 4
     assert_idle_and_clean(url)

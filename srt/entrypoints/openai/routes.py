@@ -61,7 +61,7 @@ class OpenAIHandlers:
         return ModelCard(id=name, created=now(), root=name, max_model_len=self.tm.context_len)
 
 
-def get_handlers(request: Request) -> OpenAIHandlers:
+async def get_handlers(request: Request) -> OpenAIHandlers:  # a coroutine: no thread hop
     return request.app.state.openai
 
 

@@ -1,0 +1,54 @@
+"""Starting and stopping a `launch_server` process for the benchmarks that drive one."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+STARTUP_TIMEOUT_S = 300.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_radixrt(
+    server_args: list[str], log: Path | None = None, port: int | None = None
+) -> tuple[subprocess.Popen, str]:
+    """A RadixRT server (in its own session, so `stop` reaches its children), once healthy."""
+    port = port if port is not None else free_port()
+    cmd = [sys.executable, "-m", "srt.launch_server", "--port", str(port), *server_args]
+    out = open(log, "w") if log is not None else subprocess.DEVNULL  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while True:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=5)
+            return proc, url
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                stop(proc)
+                where = f"; see {log}" if log is not None else ""
+                raise SystemExit(f"the server did not start{where}") from None
+            time.sleep(0.5)
+
+
+def stop(proc: subprocess.Popen) -> int:
+    """SIGTERM to the server's process group (SIGKILL after a minute); its exit status."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode
