@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 DEATH_EXIT_DEADLINE_S = 8.0
 # The scheduler's own watchdog fires at --watchdog-timeout; this process steps in this much
 # later only if it did not.
-HEARTBEAT_KILL_GRACE_S = 10.0
+HEARTBEAT_KILL_GRACE_S = 5.0
 HEARTBEAT_CHECK_S = 1.0
 
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import requests
 
-from tests.server.server_process import ServerProcess, die_with_parent, free_port
+from tests.server.server_process import ServerProcess, die_with_parent, free_port, router_command
 
 ROUTER_TIMEOUT_S = 120.0
 
@@ -42,14 +41,14 @@ class PDCluster:
             raise
         self.router_port = free_port()
         self.url = f"http://127.0.0.1:{self.router_port}"
-        cmd = [
-            sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+        cmd = router_command(
+            "--pd-disaggregation",
             "--prefill", self.prefill.url, str(self.bootstrap_port),
             "--decode", self.decode.url,
             "--host", "127.0.0.1", "--port", str(self.router_port),
             "--disable-retries", "--disable-circuit-breaker",
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-        ]  # fmt: skip
+        )  # fmt: skip
         self.router_log = open(log_dir / "router.log", "w")  # noqa: SIM115
         self.router = subprocess.Popen(
             cmd,

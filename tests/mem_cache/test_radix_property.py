@@ -130,7 +130,7 @@ class TreeModel:
 
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(ops=tree_ops)
 def test_tree_matches_naive_model(page_size: int, policy: str, ops: list[tuple]) -> None:
     model = TreeModel(page_size, size=40, policy=policy)
@@ -159,7 +159,7 @@ req_ops = st.lists(
 
 @pytest.mark.parametrize("page_size", [1, 4])
 @settings(
-    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(ops=req_ops)
 def test_request_lifecycle_integrity(

@@ -63,6 +63,22 @@ def alive(pid: int) -> bool:
     return state[state.rindex(")") + 2] != "Z"
 
 
+# sglang-router's launcher imports its Python mini load balancer, which imports all of
+# sglang (~8 s on a small CPU, and sglang is installed for its clients); the Rust router the
+# tests start never uses it, so the launcher runs with that one module left out.
+_ROUTER_LAUNCH = """
+import sys, types
+sys.modules["sglang_router.mini_lb"] = types.SimpleNamespace(MiniLoadBalancer=None)
+from sglang_router.launch_router import main
+main()
+"""
+
+
+def router_command(*args: str) -> list[str]:
+    """The command that starts sglang-router with `args` (its `launch_router` flags)."""
+    return [sys.executable, "-c", _ROUTER_LAUNCH, *args]
+
+
 class ServerProcess:
     def __init__(
         self, *args: str, log_path: Path | None = None, port: int | None = None, wait: bool = True

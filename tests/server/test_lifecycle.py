@@ -75,31 +75,40 @@ def test_options_server_then_sigterm(tmp_path, tiny_served_model: str) -> None:
     assert not [p for p in srv.children if alive(p)]
 
 
-def test_killed_scheduler_takes_server_down(tmp_path) -> None:
-    srv = ServerProcess(*SMALL, log_path=tmp_path / "log")
+def test_killed_scheduler_takes_server_down(tmp_path, tiny_served_model: str) -> None:
+    """A tiny model: the processes are checked, not outputs. The kill comes once the stream
+    has its first token, so the request is surely running."""
+    srv = ServerProcess(*SMALL, "--model-path", tiny_served_model, log_path=tmp_path / "log")
     info = requests.get(srv.url + "/get_server_info", timeout=30).json()
     scheduler_pid = info["internal_states"][0]["pid"]
     assert scheduler_pid in srv.children
 
     stream_end: dict = {}
+    streaming = threading.Event()
 
     def in_flight() -> None:
         body = {
             "text": "Tell me a long story.",
-            "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
+            "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True},
             "stream": True,
         }
         try:
             with requests.post(srv.url + "/generate", json=body, stream=True, timeout=60) as r:
-                lines = [line for line in r.iter_lines() if line]
+                lines = []
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                        streaming.set()
             stream_end["last"] = lines[-2:] if lines else []
         except requests.RequestException as e:
             stream_end["error"] = repr(e)
+        streaming.set()
         stream_end["t"] = time.monotonic()
 
     t = threading.Thread(target=in_flight)
     t.start()
-    time.sleep(1.5)
+    assert streaming.wait(60), "no token streamed"
+    assert "t" not in stream_end, f"the stream ended before the kill: {stream_end}"
     killed_at = time.monotonic()
     os.kill(scheduler_pid, signal.SIGKILL)
     try:

@@ -215,11 +215,15 @@ SMALL_BATCH = 8
 
 
 @pytest.fixture(scope="module")
-def guarded_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def guarded_url(tmp_path_factory: pytest.TempPathFactory, tiny_served_model: str) -> Iterator[str]:
+    """The tiny model: limits and the key are checked, not outputs (a faster start)."""
     from tests.server.server_process import ServerProcess
 
     log = tmp_path_factory.mktemp("guarded") / "server.log"
-    args = ("--max-total-tokens", "4096", "--max-batch-size", str(SMALL_BATCH), "--api-key", KEY)
+    args = (
+        "--model-path", tiny_served_model, "--max-total-tokens", "4096",
+        "--max-batch-size", str(SMALL_BATCH), "--api-key", KEY,
+    )  # fmt: skip
     srv = ServerProcess(*args, log_path=log)
     yield srv.url
     assert srv.stop() == 0, srv.tail()
@@ -258,10 +262,10 @@ def test_batch_at_the_limit_runs(guarded_url: str) -> None:
 
 
 def test_operators_see_the_local_path_behind_the_api_key(
-    guarded_url: str, default_model_path: str
+    guarded_url: str, tiny_served_model: str
 ) -> None:
     server = requests.get(guarded_url + "/get_server_info", headers=AUTH, timeout=30).json()
-    assert server["model_path"] == default_model_path
+    assert server["model_path"] == tiny_served_model
     info = requests.get(guarded_url + "/get_model_info", headers=AUTH, timeout=30).json()
     assert info["model_path"] == info["served_model_name"]
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.server_process import ServerProcess, die_with_parent, free_port
+from tests.server.server_process import ServerProcess, die_with_parent, free_port, router_command
 
 pytestmark = pytest.mark.slow
 
@@ -40,14 +39,13 @@ class Router:
     def __init__(self, worker_urls: list[str], log_path: Path) -> None:
         self.url = f"http://127.0.0.1:{free_port()}"
         self.log_path = log_path
-        cmd = [
-            sys.executable, "-m", "sglang_router.launch_router",
+        cmd = router_command(
             "--worker-urls", *worker_urls, "--policy", "power_of_two",
             "--worker-startup-check-interval", str(LOAD_INTERVAL_S),
             "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1],
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
             "--disable-retries", "--disable-circuit-breaker",
-        ]  # fmt: skip
+        )  # fmt: skip
         self.log = open(log_path, "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
             cmd,
