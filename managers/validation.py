@@ -24,10 +24,14 @@ if TYPE_CHECKING:
 MAX_TOP_LOGPROBS = 20
 
 
-def check_prompt(input_ids: list[int], context_len: int, vocab_size: int) -> None:
-    """A prompt the model can take: non-empty, known token ids, shorter than the context."""
+def check_token_ids(input_ids: list[int], vocab_size: int) -> None:
     if any(t < 0 or t >= vocab_size for t in input_ids):
         raise RequestError(f"Input token ids must be in [0, {vocab_size}).", param="input_ids")
+
+
+def check_prompt(input_ids: list[int], context_len: int, vocab_size: int) -> None:
+    """A prompt the model can take: non-empty, known token ids, shorter than the context."""
+    check_token_ids(input_ids, vocab_size)
     if not input_ids:
         raise RequestError("The input is empty.", param="text")
     if len(input_ids) >= context_len:

@@ -119,6 +119,31 @@ def url(server) -> str:
     return server.url
 
 
+# A second shared server, of the tiny model, for the tests of request handling that need no
+# real outputs: a 64-token context (any request finishes at once), a batch limit of 8 and an
+# API key.
+TINY_SERVER_KEY = "tiny-server-key"
+TINY_SERVER_BATCH = 8
+
+
+@pytest.fixture(scope="session")
+def tiny_server(
+    tmp_path_factory: pytest.TempPathFactory, tiny_served_model: str
+) -> Iterator[object]:
+    from tests.server.server_process import ServerProcess
+
+    log = Path(tmp_path_factory.mktemp("tiny-server")) / "server.log"
+    srv = ServerProcess(
+        "--model-path", tiny_served_model, "--dtype", "float32", "--context-length", "64",
+        "--max-total-tokens", "2048", "--max-batch-size", str(TINY_SERVER_BATCH),
+        "--api-key", TINY_SERVER_KEY, "--enable-metrics",
+        log_path=log,
+    )  # fmt: skip
+    yield srv
+    code = srv.stop()
+    assert code == 0, f"tiny server exited with {code} on SIGTERM: {srv.tail()}"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked `gpu` need CUDA; skip them on machines without it."""
     import torch

@@ -24,6 +24,7 @@ from srt.entrypoints.http_errors import install_error_handlers
 from srt.entrypoints.limits import BodyLimitMiddleware
 from srt.entrypoints.openai.routes import register_openai_routes
 from srt.entrypoints.openai.tool_use import ServerToolConfig
+from srt.entrypoints.openapi_bodies import describe_request_bodies
 from srt.server_args import ServerArgs
 
 __all__ = ["VERSION", "create_app"]
@@ -46,6 +47,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     register_openai_routes(
         app, tm, server_args.max_batch_size, tools, server_args.response_store_size
     )
+    describe_request_bodies(app)
     # Added last, so outermost: an oversized body is refused before the key is checked.
     app.add_middleware(BodyLimitMiddleware, max_bytes=server_args.max_request_bytes)
     return app

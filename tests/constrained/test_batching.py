@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from managers.inprocess import InProcessDriver
+from srt.server_args import ServerArgs
 from tests.constrained.grammars import ARITH, REGEXES, parse_arith
-from tests.constrained.helpers import assert_stopped_at_eos, assert_valid_json, chat, make_driver
+from tests.constrained.helpers import assert_stopped_at_eos, assert_valid_json, chat
 from tests.constrained.schemas import SCHEMAS
+from tests.engine.shared_worker import driver_on, release
 
 pytestmark = pytest.mark.slow
 
@@ -27,15 +31,30 @@ FREE_PROMPTS = [
 
 # float32 for the equality tests below: in bfloat16 a request's logits can change with the
 # batch it runs in (different matmul blocking), which would flip greedy tokens for reasons
-# that have nothing to do with grammars.
+# that have nothing to do with grammars. Both drivers run on the session's float32 worker.
 @pytest.fixture(scope="module")
-def fp32_overlap() -> InProcessDriver:
-    return make_driver(dtype="float32", disable_overlap_schedule=False)  # also on CPU
+def fp32_overlap(default_worker: Any) -> Iterator[InProcessDriver]:
+    with driver_on(default_worker, disable_overlap_schedule=False) as d:  # also on CPU
+        yield d
 
 
 @pytest.fixture(scope="module")
-def fp32_normal() -> InProcessDriver:
-    return make_driver(dtype="float32", disable_overlap_schedule=True)
+def fp32_normal(default_worker: Any) -> Iterator[InProcessDriver]:
+    with driver_on(default_worker, disable_overlap_schedule=True) as d:
+        yield d
+
+
+# A 260-token pool and a low reservation for future decode tokens: most of the six requests
+# of the retraction test are admitted at once, then outgrow the pool as their JSON gets
+# longer. One worker for both loops.
+RETRACT_POOL = 260
+
+
+@pytest.fixture(scope="module")
+def small_pool_worker() -> Any:
+    from managers.model_worker import ModelWorker
+
+    return ModelWorker(ServerArgs(max_total_tokens=RETRACT_POOL))
 
 
 def constrained_requests(driver: InProcessDriver) -> tuple[list[str], list[dict]]:
@@ -110,14 +129,13 @@ def test_both_loops_give_the_same_constrained_outputs(
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "normal"])
-def test_retracted_constrained_requests_stay_valid(overlap: bool) -> None:
-    # A 260-token pool and a low reservation for future decode tokens: most of the six
-    # requests are admitted at once, then outgrow the pool as their JSON gets longer.
-    d = make_driver(
-        max_total_tokens=260,
+def test_retracted_constrained_requests_stay_valid(small_pool_worker: Any, overlap: bool) -> None:
+    args = ServerArgs(
+        max_total_tokens=RETRACT_POOL,
         schedule_conservativeness=0.1,
         disable_overlap_schedule=not overlap,
     )
+    d = InProcessDriver(args, worker=small_pool_worker)
     schemas = [SCHEMAS[19], SCHEMAS[14]]  # the longest outputs: arrays of objects
     prompts, params = [], []
     for i in range(6):
@@ -136,3 +154,4 @@ def test_retracted_constrained_requests_stay_valid(overlap: bool) -> None:
     for i, out in enumerate(outs):
         assert_valid_json(d, out, schemas[i % 2][1])
     d.scheduler.check_memory()
+    release(d)

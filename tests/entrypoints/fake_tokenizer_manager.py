@@ -34,6 +34,7 @@ class FakeTokenizerManager:
         self.served_model_name = "fake-model"
         self.model_path = model_path
         self.context_len = 512
+        self.vocab_size = len(tokenizer)
         self.chat_template: str | None = None
         self.received: list[GenerateReqInput] = []
         self.closed_early: list[str] = []

@@ -21,7 +21,7 @@ import requests
 
 from srt import environ
 from srt.server_args_cli import prepare_server_args
-from tests.conftest import SERVER_ARGS
+from tests.conftest import SERVER_ARGS, TINY_SERVER_BATCH, TINY_SERVER_KEY
 
 pytestmark = pytest.mark.slow
 
@@ -208,25 +208,14 @@ def test_clients_see_the_served_name_not_the_local_path(url: str, default_model_
     assert models[0]["root"] == name and info["model_path"] == name
 
 
-# ---- a server with a small batch limit, behind an API key --------------------------------
-KEY = "hardening-key"
-AUTH = {"Authorization": f"Bearer {KEY}"}
-SMALL_BATCH = 8
+# ---- the shared tiny server: a small batch limit, behind an API key ----------------------
+AUTH = {"Authorization": f"Bearer {TINY_SERVER_KEY}"}
+SMALL_BATCH = TINY_SERVER_BATCH
 
 
 @pytest.fixture(scope="module")
-def guarded_url(tmp_path_factory: pytest.TempPathFactory, tiny_served_model: str) -> Iterator[str]:
-    """The tiny model: limits and the key are checked, not outputs (a faster start)."""
-    from tests.server.server_process import ServerProcess
-
-    log = tmp_path_factory.mktemp("guarded") / "server.log"
-    args = (
-        "--model-path", tiny_served_model, "--max-total-tokens", "4096",
-        "--max-batch-size", str(SMALL_BATCH), "--api-key", KEY,
-    )  # fmt: skip
-    srv = ServerProcess(*args, log_path=log)
-    yield srv.url
-    assert srv.stop() == 0, srv.tail()
+def guarded_url(tiny_server) -> str:
+    return tiny_server.url
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from typing import Any, cast
 from fastapi import Request, Response
 
 from managers.io_struct import GenerateReqInput
-from managers.validation import check_batch_size
+from managers.validation import check_batch_size, check_token_ids
 from srt.entrypoints.http_errors import json_response
 from srt.entrypoints.openai.logprobs import completion_logprobs, take
 from srt.entrypoints.openai.protocol import CompletionRequest, PromptField
@@ -94,6 +94,9 @@ class OpenAIServingCompletion:
     def _prompt_text(self, prompt: Prompt) -> str:
         if isinstance(prompt, str):
             return prompt
+        # Checked before decoding (the request itself is checked later): the tokenizer
+        # raises OverflowError on an id past 2**32.
+        check_token_ids(prompt, self.tm.vocab_size)
         return str(self.tm.tokenizer.decode(prompt))
 
     async def _full_response(

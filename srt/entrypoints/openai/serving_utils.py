@@ -44,6 +44,7 @@ class TokenizerManagerLike(Protocol):
     served_model_name: str
     model_path: str
     context_len: int
+    vocab_size: int
     chat_template: str | None
 
     def generate_request(
