@@ -23,8 +23,6 @@ import argparse
 import json
 import os
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +33,7 @@ from typing import Any
 import requests
 
 from bench.bench_serving import build_parser, run_benchmark
+from bench.launch import free_port, stop
 
 STARTUP_TIMEOUT_S = 600.0
 COMPARED = [
@@ -59,12 +58,6 @@ class Side:
     cmd: list[str]  # may contain "{port}"
     backend: str
     env: dict[str, str] = field(default_factory=dict)  # added to this process's environment
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def radixrt_cmd(common: str, extra: str) -> list[str]:
@@ -152,16 +145,6 @@ def start(side: Side, out_dir: Path) -> tuple[subprocess.Popen, str]:
         time.sleep(0.5)
     stop(proc)
     raise SystemExit(f"[ab] {side.name} not healthy after {STARTUP_TIMEOUT_S:.0f} s")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def run_side(side: Side, bench_args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:

@@ -42,6 +42,22 @@ def start_radixrt(
             time.sleep(0.5)
 
 
+# sglang-router's launcher imports its Python mini load balancer, which imports all of
+# sglang (~8 s on a small CPU, where sglang is installed for its clients); the Rust router
+# never uses it, so the launcher runs with that one module left out.
+_ROUTER_LAUNCH = """
+import sys, types
+sys.modules["sglang_router.mini_lb"] = types.SimpleNamespace(MiniLoadBalancer=None)
+from sglang_router.launch_router import main
+main()
+"""
+
+
+def router_command(*args: str) -> list[str]:
+    """The command that starts sglang-router with `args` (its `launch_router` flags)."""
+    return [sys.executable, "-c", _ROUTER_LAUNCH, *args]
+
+
 def stop(proc: subprocess.Popen) -> int:
     """SIGTERM to the server's process group (SIGKILL after a minute); its exit status."""
     if proc.poll() is None:

@@ -20,7 +20,7 @@ import tempfile
 import time
 import urllib.request
 
-from bench.ab import free_port
+from bench.launch import free_port
 from bench.serving_cpu import cpu_seconds, processes
 
 READY_TIMEOUT_S = 300.0

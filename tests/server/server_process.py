@@ -13,6 +13,8 @@ from pathlib import Path
 
 import requests
 
+from bench.launch import router_command  # noqa: F401 - the tests' router, re-exported
+
 STARTUP_TIMEOUT_S = 180.0
 
 
@@ -61,22 +63,6 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state[state.rindex(")") + 2] != "Z"
-
-
-# sglang-router's launcher imports its Python mini load balancer, which imports all of
-# sglang (~8 s on a small CPU, and sglang is installed for its clients); the Rust router the
-# tests start never uses it, so the launcher runs with that one module left out.
-_ROUTER_LAUNCH = """
-import sys, types
-sys.modules["sglang_router.mini_lb"] = types.SimpleNamespace(MiniLoadBalancer=None)
-from sglang_router.launch_router import main
-main()
-"""
-
-
-def router_command(*args: str) -> list[str]:
-    """The command that starts sglang-router with `args` (its `launch_router` flags)."""
-    return [sys.executable, "-c", _ROUTER_LAUNCH, *args]
 
 
 class ServerProcess:

@@ -1,6 +1,6 @@
 """Schema-driven fuzzing of every route: Schemathesis generates requests, valid and not, from
 the server's own OpenAPI document (every route's body is described there,
-`srt/entrypoints/openapi_bodies.py`) and sends them to a real server, 40 a route. No request
+`srt/entrypoints/openapi_bodies.py`) and sends them to a real server, 25 a route. No request
 may get a 5xx (but the documented 503 of a request's own `timeout`), and afterwards the
 server is healthy, idle, and its memory integrity check holds.
 
@@ -25,7 +25,7 @@ from schemathesis.checks import not_a_server_error
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES_PER_ROUTE = 40
+EXAMPLES_PER_ROUTE = 25
 # The one 5xx a valid request may get: its own `timeout` ran out before admission (a 503, as
 # documented in docs/operating.md).
 DELIBERATE_503 = re.compile(r"timed out after .* \(the request's timeout\) waiting for admission")
