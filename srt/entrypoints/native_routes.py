@@ -71,7 +71,9 @@ async def encode(request: Request, tm: TokenizerManagerDep, server_args: ServerA
     return json_response(await generate_all(tm, objs, is_batch, request))
 
 
-@router.api_route("/flush_cache", methods=["GET", "POST"])
+# One route per method: a route of two methods gives both the same OpenAPI operation id.
+@router.get("/flush_cache", operation_id="flush_cache_get")
+@router.post("/flush_cache", operation_id="flush_cache_post")
 async def flush_cache(tm: TokenizerManagerDep) -> Response:
     out = await tm.flush_cache()
     return Response(out.message, status_code=200 if out.success else 400)
