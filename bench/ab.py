@@ -25,15 +25,12 @@ import os
 import shlex
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import requests
-
 from bench.bench_serving import build_parser, run_benchmark
-from bench.launch import free_port, stop
+from bench.launch import free_port, stop, wait_healthy
 
 STARTUP_TIMEOUT_S = 600.0
 COMPARED = [
@@ -133,16 +130,10 @@ def start(side: Side, out_dir: Path) -> tuple[subprocess.Popen, str]:
         cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"[ab] {side.name} exited with {proc.returncode}; see {log.name}")
-        try:
-            if requests.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except requests.RequestException:
-            pass
-        time.sleep(0.5)
+    if wait_healthy(proc, url, STARTUP_TIMEOUT_S):
+        return proc, url
+    if proc.poll() is not None:
+        raise SystemExit(f"[ab] {side.name} exited with {proc.returncode}; see {log.name}")
     stop(proc)
     raise SystemExit(f"[ab] {side.name} not healthy after {STARTUP_TIMEOUT_S:.0f} s")
 

@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 
 from bench.launch import start_radixrt, stop
+from bench.soak import idle_integrity
 
 
 async def one(session: aiohttp.ClientSession, url: str, ids: list[int], new: int) -> dict:
@@ -29,17 +30,6 @@ async def one(session: aiohttp.ClientSession, url: str, ids: list[int], new: int
     async with session.post(url + "/generate", json=body) as r:
         await r.read()
         return {"status": r.status, "latency_s": time.perf_counter() - t0}
-
-
-async def idle_integrity(session: aiohttp.ClientSession, url: str, timeout_s: float) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        async with session.get(url + "/get_server_info") as r:
-            state = (await r.json())["internal_states"][0]
-        if state["num_running_reqs"] == 0 and state["num_queue_reqs"] == 0:
-            return {**state["memory_integrity"], "token_usage_idle": state["token_usage"]}
-        await asyncio.sleep(0.5)
-    return {"ok": None, "error": f"not idle within {timeout_s} s"}
 
 
 def summary(latencies: list[float]) -> dict[str, float | None]:

@@ -28,7 +28,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.launch import free_port, router_command, start_radixrt, stop
+from bench.launch import free_port, router_command, start_radixrt, stop, wait_healthy
 
 PROMPTS = [
     "Tell me about the history of the sea.",
@@ -160,16 +160,9 @@ class Fleet:
         self.router = subprocess.Popen(
             cmd, stdout=self.router_log, stderr=subprocess.STDOUT, start_new_session=True
         )
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                urllib.request.urlopen(self.url + "/health", timeout=5)
-                return
-            except OSError:
-                if time.monotonic() > deadline or self.router.poll() is not None:
-                    self.close()
-                    raise SystemExit("the router did not start") from None
-                time.sleep(0.5)
+        if not wait_healthy(self.router, self.url, 120):
+            self.close()
+            raise SystemExit("the router did not start")
 
     def kill(self, k: int) -> None:
         os.killpg(self.servers[k].pid, signal.SIGKILL)

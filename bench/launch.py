@@ -29,17 +29,23 @@ def start_radixrt(
     out = open(log, "w") if log is not None else subprocess.DEVNULL  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while True:
+    if wait_healthy(proc, url, STARTUP_TIMEOUT_S):
+        return proc, url
+    stop(proc)
+    where = f"; see {log}" if log is not None else ""
+    raise SystemExit(f"the server did not start{where}")
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> bool:
+    """Poll `url`/health until it answers 200 (True), or `proc` exits or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < deadline:
         try:
             urllib.request.urlopen(url + "/health", timeout=5)
-            return proc, url
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                stop(proc)
-                where = f"; see {log}" if log is not None else ""
-                raise SystemExit(f"the server did not start{where}") from None
+            return True
+        except OSError:  # not listening yet, or not healthy yet (HTTPError is an OSError)
             time.sleep(0.5)
+    return False
 
 
 # sglang-router's launcher imports its Python mini load balancer, which imports all of

@@ -62,6 +62,9 @@ _NATIVE_TYPES: dict[str, dict[str, Any]] = {
 }
 
 
+_PREFIX = {Treatment.HONOURED: "", Treatment.NO_OP: "no-op: ", Treatment.REFUSED: "refused: "}
+
+
 def _fields(table: FieldTable, typed: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     out = {}
     for name, rule in table.items():
@@ -71,10 +74,7 @@ def _fields(table: FieldTable, typed: dict[str, dict[str, Any]]) -> dict[str, di
             schema = TypeAdapter(rule.kind).json_schema()
         else:
             schema = {}
-        prefix = {Treatment.HONOURED: "", Treatment.NO_OP: "no-op: "}.get(
-            rule.treatment, "refused: "
-        )
-        schema["description"] = prefix + rule.why
+        schema["description"] = _PREFIX[rule.treatment] + rule.why
         out[name] = schema
     return out
 

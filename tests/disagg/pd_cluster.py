@@ -9,7 +9,8 @@ from pathlib import Path
 
 import requests
 
-from tests.server.server_process import ServerProcess, die_with_parent, free_port, router_command
+from bench.launch import router_command
+from tests.server.server_process import ServerProcess, die_with_parent, free_port
 
 ROUTER_TIMEOUT_S = 120.0
 

@@ -13,8 +13,6 @@ from pathlib import Path
 
 import requests
 
-from bench.launch import router_command  # noqa: F401 - the tests' router, re-exported
-
 STARTUP_TIMEOUT_S = 180.0
 
 

@@ -21,7 +21,8 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.server_process import ServerProcess, die_with_parent, free_port, router_command
+from bench.launch import router_command
+from tests.server.server_process import ServerProcess, die_with_parent, free_port
 
 pytestmark = pytest.mark.slow
 
