@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         tic = time.perf_counter()
         backend.compile(key)  # the backend keeps no cache of its own: each is cold
         times.append(time.perf_counter() - tic)
-    backend.executor.shutdown()
+    backend.shutdown()
     size = len(key.spec.encode())
     print(f"{key.kind}, {size} bytes: median {statistics.median(times):.3f} s of {args.repeat}")
 

@@ -171,15 +171,43 @@ def _request(kind: str, chat: dict, native: dict, n_new: int, rng: random.Random
 def processes(main_pid: int) -> dict[int, str]:
     """The server's main process and its children (pid -> name)."""
     named = {main_pid: "main"}
+    for pid, (ppid, args) in _proc_table().items():
+        if ppid == main_pid and b"resource_tracker" not in args:
+            named[pid] = f"child {pid}"
+    return named
+
+
+def grammar_processes(main_pid: int) -> dict[str, float]:
+    """How many grammar compile processes (the zygote and its workers, below the
+    scheduler) run, and their RSS in all: workers come and go, so they are counted
+    together."""
+    table = _proc_table()
+    below, frontier = [], {main_pid}
+    while frontier:
+        frontier = {pid for pid, (ppid, _) in table.items() if ppid in frontier}
+        below += frontier
+    rss = 0.0
+    count = 0
+    for pid in below:
+        if b"zygote_main" in table[pid][1]:
+            try:
+                rss += process_sample(pid)["rss_mb"]
+            except OSError:
+                continue
+            count += 1
+    return {"count": count, "rss_mb": rss}
+
+
+def _proc_table() -> dict[int, tuple[int, bytes]]:
+    """pid -> (parent pid, command line) of every process."""
+    table = {}
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            args = Path(f"/proc/{entry}/cmdline").read_bytes()
+            table[int(entry)] = (int(stat[1]), Path(f"/proc/{entry}/cmdline").read_bytes())
         except OSError:
             continue
-        if int(stat[1]) == main_pid and b"resource_tracker" not in args:
-            named[int(entry)] = f"child {entry}"
-    return named
+    return table
 
 
 def process_sample(pid: int) -> dict[str, float]:
@@ -247,6 +275,8 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         "expected_refusals": sum(o.status == "expected" for o in outcomes),
         "by_kind": dict(Counter(o.kind for o in outcomes)),
         "failures": [asdict(o) for o in failures],
+        # Every stream's (end, TTFT, TPOT), so that the report can pool whole windows.
+        "streams": [(o.end - start, o.ttft, o.tpot) for o in outcomes if o.ttft is not None],
         "samples": samples,
         "memory_integrity": verdict,
     }
@@ -261,6 +291,7 @@ async def sample(session, args, outcomes: list[Outcome], samples: list, start: f
     row["tpot"] = percentiles([o.tpot for o in recent if o.tpot is not None])
     row["server"] = await server_state(session, args.url)
     row["processes"] = {}
+    row["grammar_processes"] = grammar_processes(args.pid) if args.pid else None
     if args.pid:
         for pid, name in processes(args.pid).items():
             try:
@@ -290,7 +321,14 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--url", help="a running server; default: start one")
     p.add_argument("--pid", type=int, help="its main process (for the per-process figures)")
-    p.add_argument("--server-args", default="--dtype float32", help="for a server started here")
+    # On a CPU the KV pool's pages are mapped lazily and written first as the radix cache
+    # fills, so the scheduler's RSS grows until the pool is full. A pool the traffic fills in
+    # its first minutes makes later growth mean a leak, and keeps eviction busy for the run.
+    p.add_argument(
+        "--server-args",
+        default="--dtype float32 --max-total-tokens 32768",
+        help="for a server started here",
+    )
     p.add_argument("--duration-s", type=float, default=3600)
     p.add_argument("--interval-s", type=float, default=60)
     p.add_argument("--rate", type=float, default=2.0, help="requests a second (Poisson)")

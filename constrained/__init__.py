@@ -32,13 +32,15 @@ def create_grammar_backend(
     cache_size: int = DEFAULT_CACHE_SIZE,
     compile_threads: int = DEFAULT_COMPILE_THREADS,
     limits: GrammarLimits | None = None,
+    isolation: str = "process",
 ) -> BaseGrammarBackend | None:
     """The backend `name`, keeping at most `cache_size` compiled grammars, compiling on
-    `compile_threads` threads and refusing constraints over `limits`."""
+    `compile_threads` workers (processes or threads: `isolation`) and refusing constraints
+    over `limits`."""
     # Without a tokenizer (--skip-tokenizer-init) there is no vocabulary to compile against.
     if tokenizer is None:
         return None
     backend = GRAMMAR_BACKENDS.create(name, tokenizer, vocab_size, eos_token_ids)
     if backend is not None:  # the constructors take what the compiler needs; the rest is ours
-        backend.configure(compile_threads, cache_size, limits)
+        backend.configure(compile_threads, cache_size, limits, isolation)
     return backend

@@ -17,16 +17,17 @@ growing with the vocabulary and the schema), so an unbounded cache lets clients 
 memory. Evicting only drops the cache's reference: a request in the grammar queue holds its
 future, and a matcher holds its compiled grammar, so neither notices.
 
-Threads: compiles run on `--grammar-compile-threads` threads (xgrammar releases the GIL while
-it compiles, so they run in parallel). Only the scheduler's thread calls `compile_async` and
-touches the cache; the compile threads only run `compile`, so the cache needs no lock, and
-a key's future is shared by every request that asks for it while it is cached (in flight or
-done). Before anything is submitted the constraint is held to the caps of
-`constrained/limits.py`; one over them gets a future that already failed. With two or more
-threads, one takes only small grammars (`is_small`), so a flood of big schemas, each of
-which may take seconds, does not hold up a short regex or a small tool schema. A compile
-that started cannot be stopped; one that has not started is cancelled when no request
-waits for it any more (`GrammarQueue`), and a cancelled future is a cache miss.
+Workers: compiles run on `--grammar-compile-threads` workers, in processes by default
+(`--grammar-compile-isolation`; `constrained/compile_pool.py`), where a compile no request
+waits for any more is killed. Only the scheduler's thread calls `compile_async` and touches
+the cache; the workers only compile, so the cache needs no lock, and a key's future is shared
+by every request that asks for it while it is cached (in flight or done). Before anything is
+submitted the constraint is held to the caps of `constrained/limits.py`; one over them gets
+a future that already failed. With two or more workers, one takes only small grammars
+(`is_small`), so a flood of big schemas, each of which may take seconds, does not hold up a
+short regex or a small tool schema. A compile no request waits for any more (`GrammarQueue`)
+is cancelled: dropped if it has not started, stopped if it runs in a process; on a thread it
+runs to its end. A cancelled or stopped future is a cache miss.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from constrained.compile_pool import CompileLanes, ThreadLanes, abandoned
 from constrained.limits import GrammarLimitError, GrammarLimits, GrammarSize, check_grammar_limits
 
 if TYPE_CHECKING:  # torch only types the masks here: the HTTP server imports this module
@@ -47,6 +49,7 @@ logger = logging.getLogger(__name__)
 KINDS = ("json_schema", "regex", "ebnf")
 DEFAULT_CACHE_SIZE = 64
 DEFAULT_COMPILE_THREADS = 4
+ISOLATIONS = ("process", "thread")
 # What tool calls and simple regexes send: such grammars usually compile in milliseconds, so
 # they share one thread of their own. A crafted one can still take seconds: the thread bounds
 # how long a small grammar waits behind big ones, it does not make the wait zero. Measured by
@@ -108,44 +111,50 @@ class BaseGrammarBackend(ABC):
         cache_size: int = DEFAULT_CACHE_SIZE,
         limits: GrammarLimits | None = None,
     ) -> None:
-        self._setup(compile_threads, cache_size, limits)
+        self._setup(compile_threads, cache_size, limits, "thread")
 
     def configure(
         self,
         compile_threads: int = DEFAULT_COMPILE_THREADS,
         cache_size: int = DEFAULT_CACHE_SIZE,
         limits: GrammarLimits | None = None,
+        isolation: str = "thread",
     ) -> None:
         """The server's settings (a backend's constructor takes only what its compiler
         needs); call it before the first compile."""
         self.shutdown()
-        self._setup(compile_threads, cache_size, limits)
+        self._setup(compile_threads, cache_size, limits, isolation)
 
-    def _setup(self, threads: int, cache_size: int, limits: GrammarLimits | None) -> None:
-        threads = max(1, threads)
-        self.executor = ThreadPoolExecutor(
-            max(1, threads - 1), thread_name_prefix="grammar-compile"
-        )
-        self.small_executor = self.executor
-        if threads > 1:
-            self.small_executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile-small")
+    def _setup(
+        self, workers: int, cache_size: int, limits: GrammarLimits | None, isolation: str
+    ) -> None:
+        workers = max(1, workers)
+        if isolation == "process":
+            self.lanes = self.process_lanes(workers)
+        else:
+            self.lanes = ThreadLanes(self.compile, workers)
         self.cache = GrammarCache(cache_size)
         self.limits = limits or GrammarLimits()
+
+    def process_lanes(self, workers: int) -> CompileLanes:
+        """Lanes of worker processes; a backend whose compiled grammars can cross a process
+        boundary overrides this."""
+        raise ValueError(f"{type(self).__name__} compiles on threads only")
 
     def num_cached(self) -> int:
         """Compiled grammars kept for reuse (at most the cache's size)."""
         return len(self.cache)
 
     def shutdown(self) -> None:
-        """Stop taking compiles; queued ones are dropped, running ones finish in the background."""
-        for executor in {self.executor, self.small_executor}:
-            executor.shutdown(wait=False, cancel_futures=True)
+        """Stop taking compiles; queued ones are dropped, running ones stopped where they
+        run in processes."""
+        self.lanes.shutdown()
 
     def compile_async(self, key: GrammarKey) -> Future[Any]:
         """A future of the compiled grammar. It raises `GrammarError` if the grammar is
         invalid and `GrammarLimitError` (at once, without compiling) if it is over a cap."""
         future = self.cache.hit(key)
-        if future is not None and not future.cancelled():
+        if future is not None and not abandoned(future):
             return future
         try:
             size = check_grammar_limits(key.kind, key.spec, self.limits)
@@ -153,14 +162,13 @@ class BaseGrammarBackend(ABC):
             refused: Future[Any] = Future()
             refused.set_exception(e)
             return refused
-        executor = self.small_executor if is_small(size) else self.executor
-        future = executor.submit(self.compile, key)
+        future = self.lanes.submit(key, is_small(size))
         self.cache.add(key, future)
         return future
 
     @abstractmethod
     def compile(self, key: GrammarKey) -> Any:
-        """Compile (runs on the executor thread); raise `GrammarError` if invalid."""
+        """Compile (on a compile thread); raise `GrammarError` if invalid."""
 
     @abstractmethod
     def new_matcher(self, compiled: Any) -> BaseGrammarObject: ...

@@ -1,10 +1,15 @@
 """The xgrammar backend: JSON schema, regex and EBNF via `xgrammar.GrammarCompiler`, one
 `GrammarMatcher` per request, and xgrammar's bitmask kernels (CPU kernel on CPU, its GPU
-kernel on GPU, chosen by `apply_token_bitmask_inplace`)."""
+kernel on GPU, chosen by `apply_token_bitmask_inplace`).
+
+In compile processes (`compile_worker`), each worker builds the same compiler from the
+serialized tokenizer info and sends each compiled grammar back serialized; it is rebuilt
+here against this process's tokenizer info."""
 
 from __future__ import annotations
 
 import re
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
@@ -16,6 +21,7 @@ from constrained.base_grammar_backend import (
     GrammarError,
     GrammarKey,
 )
+from constrained.compile_pool import ProcessLanes
 
 
 class XGrammarMatcher(BaseGrammarObject):
@@ -39,22 +45,24 @@ class XGrammarBackend(BaseGrammarBackend):
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids)
         )
         self.vocab_size = vocab_size
-        # Our LRU (`GrammarCache`) is the one cache: xgrammar's own is unbounded. The compile
-        # threads share this compiler (with its cache off it keeps no state between compiles;
-        # vLLM shares one the same way); `max_threads=1` is its parallelism within one compile,
-        # ours is across compiles, and xgrammar releases the GIL while it compiles.
-        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.tokenizer_info = info
+        self.compiler = _compiler(info)
 
     def compile(self, key: GrammarKey) -> xgr.CompiledGrammar:
-        try:
-            if key.kind == "json_schema":
-                # Fixed whitespace: the model cannot wander off into endless blank space.
-                return self.compiler.compile_json_schema(key.spec, any_whitespace=False)
-            if key.kind == "regex":
-                return self.compiler.compile_regex(key.spec)
-            return self.compiler.compile_grammar(key.spec)
-        except RuntimeError as e:  # xgrammar reports every parse error this way
-            raise GrammarError(_compiler_message(e)) from None
+        return _compile(self.compiler, key)
+
+    def process_lanes(self, workers: int) -> ProcessLanes:
+        return ProcessLanes(
+            f"{__name__}:compile_worker",
+            self.tokenizer_info.serialize_json,  # ~0.3 s: only once a worker starts
+            self.deserialize,
+            GrammarError,
+            workers,
+            compile_here=self.compile,
+        )
+
+    def deserialize(self, data: str) -> xgr.CompiledGrammar:
+        return xgr.CompiledGrammar.deserialize_json(data, self.tokenizer_info)
 
     def new_matcher(self, compiled: xgr.CompiledGrammar) -> XGrammarMatcher:
         return XGrammarMatcher(xgr.GrammarMatcher(compiled))
@@ -64,6 +72,55 @@ class XGrammarBackend(BaseGrammarBackend):
 
     def apply_mask(self, logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> None:
         xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size, indices=rows)
+
+
+def _compiler(info: xgr.TokenizerInfo) -> xgr.GrammarCompiler:
+    # Our LRU (`GrammarCache`) is the one cache: xgrammar's own is unbounded. Compile threads
+    # share one compiler (with its cache off it keeps no state between compiles; vLLM shares
+    # one the same way), a compile process has its own; `max_threads=1` is its parallelism
+    # within one compile, ours is across compiles, and xgrammar releases the GIL while it
+    # compiles.
+    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+
+def _compile(compiler: xgr.GrammarCompiler, key: GrammarKey) -> xgr.CompiledGrammar:
+    try:
+        if key.kind == "json_schema":
+            # Fixed whitespace: the model cannot wander off into endless blank space.
+            return compiler.compile_json_schema(key.spec, any_whitespace=False)
+        if key.kind == "regex":
+            return compiler.compile_regex(key.spec)
+        return compiler.compile_grammar(key.spec)
+    except RuntimeError as e:  # xgrammar reports every parse error this way
+        raise GrammarError(_compiler_message(e)) from None
+
+
+# The largest compiled grammar a worker sends back serialized; a bigger one is compiled
+# again in the scheduler (`ProcessLanes`). A tool schema or a short regex takes tens of
+# kilobytes; 200 optional properties take 0.7 MB, whose JSON (15 MB) takes 0.9 s to write
+# against 0.15 s to compile (`python -m bench.grammar_compile` shapes, default vocabulary).
+SHIP_BYTES = 256 << 10
+
+
+def compile_worker(conn: Connection, tokenizer_info: str) -> None:
+    """A compile process's loop: a `GrammarKey` in, `("ok", serialized grammar)`,
+    `("compile here", None)` (too big to ship) or `("error", message)` out, until the pipe
+    closes."""
+    compiler = _compiler(xgr.TokenizerInfo.deserialize_json(tokenizer_info))
+    while True:
+        try:
+            key = conn.recv()
+        except EOFError:
+            return
+        try:
+            compiled = _compile(compiler, key)
+            if compiled.memory_size_bytes > SHIP_BYTES:
+                reply: tuple[str, str | None] = ("compile here", None)
+            else:
+                reply = ("ok", compiled.serialize_json())
+        except GrammarError as e:
+            reply = ("error", str(e))
+        conn.send(reply)
 
 
 # xgrammar's log prefix, `[12:00:00] /project/cpp/file.cc:123: `, which may appear once per

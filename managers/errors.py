@@ -2,7 +2,7 @@
 
 Raised by the tokenizer manager and the OpenAI layer; the HTTP layer turns it into
 `{"error": {"message", "type", "param", "code"}}` with `status_code` and `headers` (a 503 of
-an overloaded server carries `Retry-After`).
+an overloaded server, and a 429 of a client over its share, carry `Retry-After`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,11 @@ class RequestError(ValueError):
         """A 503 asking the client to come back later (queue full, timed out waiting)."""
         return cls(message, None, 503, {"Retry-After": str(RETRY_AFTER_S)})
 
+    @classmethod
+    def rate_limited(cls, message: str) -> RequestError:
+        """A 429: this client asked for more than its share; it may retry after a while."""
+        return cls(message, None, 429, {"Retry-After": str(RETRY_AFTER_S)})
+
     @property
     def error_type(self) -> str:
         return {
@@ -38,6 +43,7 @@ class RequestError(ValueError):
             404: "NotFoundError",
             405: "MethodNotAllowedError",
             413: "RequestTooLargeError",
+            429: "RateLimitError",
             503: "ServiceUnavailableError",
         }.get(self.status_code, "InternalServerError" if self.status_code >= 500 else "Error")
 

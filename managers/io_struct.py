@@ -67,6 +67,8 @@ class TokenizedGenerateReqInput:
     timeout: float | None = None  # seconds from arrival in the scheduler to the finish
     priority: int = 0
     embed: EmbedOptions | None = None
+    # Who sent it (the HTTP peer's address; None in process): per-client caps count by it.
+    client: str | None = None
 
 
 @dataclass
@@ -252,6 +254,7 @@ class SchedulerState:
     memory_integrity: MemoryIntegrity
     tp_rank: int = 0
     grammar_cache_entries: int = 0  # compiled grammars kept (bounded by the cache's size)
+    num_grammar_queue_reqs: int = 0  # requests waiting for their grammar to compile
 
 
 @dataclass

@@ -148,11 +148,13 @@ async def wait_outputs(
                 pending -= 1
                 reason = state.finish_reason
                 # Refused before anything was sent (bad input, invalid grammar, a full
-                # queue, timed out waiting): an error, so HTTP answers 4xx / 503 instead of
-                # starting a stream.
+                # queue, timed out waiting, a client over a cap): an error, so HTTP answers
+                # 4xx / 503 instead of starting a stream.
                 if reason is not None and reason.is_abort and reason.status_code and not sent:
                     if reason.status_code == 503:
                         raise RequestError.overloaded(reason.message or "")
+                    if reason.status_code == 429:
+                        raise RequestError.rate_limited(reason.message or "")
                     raise RequestError(reason.message or "", status_code=reason.status_code)
             if stream or state.finished:
                 sent = True

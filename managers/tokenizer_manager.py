@@ -217,7 +217,7 @@ class TokenizerManager:
             )
             self.check_alive()  # shutdown may have begun while the prompt was tokenized
             rid = obj.rid if obj.rid is not None else uuid.uuid4().hex
-            msgs, states = self.build_requests(rid, obj, input_ids, params)
+            msgs, states = self.build_requests(rid, obj, input_ids, params, _client(request))
             self.rids.reserve(rid, params.n)  # 400 if any of its rids is a running request's
             try:
                 for state in states:
@@ -239,7 +239,12 @@ class TokenizerManager:
                 self.rids.release(rid)
 
     def build_requests(
-        self, rid: str, obj: GenerateReqInput, input_ids: list[int], params: SamplingParams
+        self,
+        rid: str,
+        obj: GenerateReqInput,
+        input_ids: list[int],
+        params: SamplingParams,
+        client: str | None = None,
     ) -> tuple[list[TokenizedGenerateReqInput], list[ReqState]]:
         """The scheduler's messages for `obj` (one per sample, and a shared prefill first
         when n > 1) and the states that collect their outputs, one per sample."""
@@ -257,6 +262,7 @@ class TokenizerManager:
             priority=obj.priority or 0,
             extra_key=obj.extra_key,
             embed=obj.embed,
+            client=client,
         )
         samples = msgs if params.n == 1 else msgs[1:]
         ready: asyncio.Queue[ReqState] = asyncio.Queue()
@@ -377,3 +383,10 @@ class TokenizerManager:
 
 def shutting_down(reason: str) -> str:
     return f"The server is shutting down: {reason}"
+
+
+def _client(request: Any) -> str | None:
+    """Who sent `request` (an HTTP request, or None in process), as per-client caps count:
+    the peer's address, so every client behind one proxy or router counts as one."""
+    peer = getattr(request, "client", None)
+    return peer.host if peer is not None else None

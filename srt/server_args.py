@@ -209,7 +209,18 @@ class ServerArgs:
         60.0, "seconds a request waits for its grammar to compile before it fails"
     )
     grammar_compile_threads: int = _opt(
-        4, "grammars compiled at once; from 2 on, one thread takes only small grammars"
+        4, "grammars compiled at once; from 2 on, one worker takes only small grammars"
+    )
+    grammar_compile_isolation: str = _opt(
+        "process",
+        "where grammars compile: worker processes, killed when no request waits for their "
+        "compile any more, or threads of the scheduler, which run every compile to its end",
+        ["process", "thread"],
+    )
+    grammar_max_pending_per_client: int = _opt(
+        4,
+        "distinct grammars one client (one peer address) may wait for at once; a request for "
+        "another gets a 429 (0: no cap)",
     )
     grammar_max_schema_bytes: int = _opt(
         65536, "largest JSON schema, regex or EBNF grammar in bytes; larger ones get a 400"

@@ -120,10 +120,11 @@ def url(server) -> str:
 
 
 # A second shared server, of the tiny model, for the tests of request handling that need no
-# real outputs: a 64-token context (any request finishes at once), a batch limit of 8 and an
-# API key.
+# real outputs: a 64-token context (any request finishes at once), a batch limit of 8, an
+# API key, and grammar compiles that time out after 5 s, two pending a client.
 TINY_SERVER_KEY = "tiny-server-key"
 TINY_SERVER_BATCH = 8
+TINY_SERVER_COMPILE_TIMEOUT_S = 5.0
 
 
 @pytest.fixture(scope="session")
@@ -137,6 +138,8 @@ def tiny_server(
         "--model-path", tiny_served_model, "--dtype", "float32", "--context-length", "64",
         "--max-total-tokens", "2048", "--max-batch-size", str(TINY_SERVER_BATCH),
         "--api-key", TINY_SERVER_KEY, "--enable-metrics",
+        "--grammar-compile-timeout", str(TINY_SERVER_COMPILE_TIMEOUT_S),
+        "--grammar-max-pending-per-client", "2",
         log_path=log,
     )  # fmt: skip
     yield srv

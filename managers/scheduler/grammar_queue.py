@@ -1,12 +1,14 @@
-"""Requests whose grammar is still compiling. Compiles run on the grammar backend's thread;
+"""Requests whose grammar is still compiling. Compiles run on the grammar backend's workers;
 the scheduler polls this queue once per step and moves requests on when their grammar is
 ready (or finishes them with a 400 when it is invalid, over a cap or too slow), so other
 requests keep running meanwhile.
 
 A request that leaves before its grammar is ready (timed out or aborted) cancels the compile
-if no other request waits for it and it has not started; one that started runs to its end on
-its thread (the compiler cannot be interrupted) and its result stays cached for the next
-request with the same grammar.
+if no other request waits for it: one that has not started is dropped, one that runs in a
+compile process is stopped (its worker killed), and one on a compile thread runs to its end
+(the compiler cannot be interrupted) and its result stays cached for the next request with
+the same grammar. A client may have at most `--grammar-max-pending-per-client` distinct
+grammars waiting here at once (`pending_for`); a request over that gets a 429.
 
 Tensor parallelism: compiles finish at different moments on each rank, so readiness is
 decided once, by rank 0 (`done_seqs`: which compiles are done, after the short idle wait),
@@ -25,7 +27,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any
 
-from constrained.base_grammar_backend import GrammarError
+from constrained.base_grammar_backend import GrammarError, GrammarKey
 from constrained.limits import GrammarLimitError
 from managers.io_struct import finish_abort
 from managers.req import Req
@@ -43,6 +45,8 @@ class _Entry:
     future: Future[Any]
     deadline: float
     seq: int  # the queue's count of adds: names the entry on every tensor-parallel rank
+    key: GrammarKey | None = None
+    client: str | None = None  # who sent the request (`TokenizedGenerateReqInput.client`)
 
 
 class GrammarQueue:
@@ -58,9 +62,22 @@ class GrammarQueue:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def add(self, req: Req, future: Future[Any]) -> None:
+    def add(
+        self,
+        req: Req,
+        future: Future[Any],
+        key: GrammarKey | None = None,
+        client: str | None = None,
+    ) -> None:
         self.seq += 1
-        self.entries.append(_Entry(req, future, self.clock() + self.timeout_s, self.seq))
+        deadline = self.clock() + self.timeout_s
+        self.entries.append(_Entry(req, future, deadline, self.seq, key, client))
+
+    def pending_for(self, client: str, key: GrammarKey) -> int:
+        """The other grammars `client`'s requests wait for (a request for one it already
+        waits for adds no work). Counted from the entries, which every tensor-parallel rank
+        holds alike, not from the compiles' progress, which differs between ranks."""
+        return len({e.key for e in self.entries if e.client == client and e.key != key})
 
     def remove_if(self, pred: Callable[[Req], bool]) -> list[Req]:
         gone = [e for e in self.entries if pred(e.req)]

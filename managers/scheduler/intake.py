@@ -28,7 +28,7 @@ import random
 import time
 from typing import TYPE_CHECKING, Any
 
-from constrained.base_grammar_backend import grammar_key
+from constrained.base_grammar_backend import GrammarKey, grammar_key
 from managers.errors import RequestError
 from managers.io_struct import AbortReq, FinishReason, TokenizedGenerateReqInput, finish_abort
 from managers.req import EmbedState, Req
@@ -84,6 +84,7 @@ class Intake:
         self.deadlines = deadlines
         self.max_queued_requests = server_args.max_queued_requests
         self.max_queued_tokens = server_args.max_queued_tokens
+        self.max_pending_grammars = server_args.grammar_max_pending_per_client
         self.by_priority = None
         if server_args.enable_priority_scheduling:
             self.by_priority = urgency(server_args.schedule_low_priority_values_first)
@@ -125,10 +126,18 @@ class Intake:
         if error is not None:
             self.emitter.fail(req, error, 400)
             return
+        key = grammar_key(params)
+        if key is not None and self._over_grammar_cap(msg.client, key):
+            cap = self.max_pending_grammars
+            message = (
+                f"This client already waits for {cap} grammars to compile; retry when one "
+                "is ready (--grammar-max-pending-per-client)."
+            )
+            self.emitter.fail(req, message, 429)
+            return
         if not self._make_room(req):
             return
         self.deadlines.arrived(req)
-        key = grammar_key(params)
         if req.disagg is not None:
             if self.disaggregation_mode == "prefill":
                 # The prefill side produces only the first token; decode produces the rest.
@@ -138,7 +147,12 @@ class Intake:
             self.queues.waiting.append(req)
         else:
             assert self.grammar_backend is not None  # `_refusal` checked it
-            self.grammar_queue.add(req, self.grammar_backend.compile_async(key))
+            future = self.grammar_backend.compile_async(key)
+            self.grammar_queue.add(req, future, key, msg.client)
+
+    def _over_grammar_cap(self, client: str | None, key: GrammarKey) -> bool:
+        cap = self.max_pending_grammars
+        return cap > 0 and client is not None and self.grammar_queue.pending_for(client, key) >= cap
 
     def _refusal(self, req: Req) -> str | None:
         """Why the request cannot be served, or None."""

@@ -112,6 +112,7 @@ class Scheduler:
             cache_size=server_args.grammar_cache_size,
             compile_threads=server_args.grammar_compile_threads,
             limits=GrammarLimits.from_server_args(server_args),
+            isolation=server_args.grammar_compile_isolation,
         )
         self.emitter = Emitter(output_sink, tokenizer, self.context_len)
         self.decode = DecodePlanner(
@@ -340,6 +341,7 @@ class Scheduler:
             memory_integrity=self.memory_check,
             tp_rank=self.tp_rank,
             grammar_cache_entries=self.grammar_backend.num_cached() if self.grammar_backend else 0,
+            num_grammar_queue_reqs=len(self.intake.grammar_queue),
         )
 
 

@@ -362,7 +362,12 @@ def test_xgrammar_compiles_in_parallel(tokenizer: Any) -> None:
     after it on the general threads: the cheap one is ready first, which it could not be if
     the compiler held the GIL or the threads were one."""
     backend = create_grammar_backend(
-        "xgrammar", tokenizer, len(tokenizer), [tokenizer.eos_token_id], compile_threads=3
+        "xgrammar",
+        tokenizer,
+        len(tokenizer),
+        [tokenizer.eos_token_id],
+        compile_threads=3,
+        isolation="thread",
     )
     assert backend is not None
     slow = GrammarKey("json_schema", json.dumps(flat_object(700, leaf={})))

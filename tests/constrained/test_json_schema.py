@@ -51,13 +51,13 @@ def test_compile_cache_one_future_per_distinct_spec(
 ) -> None:
     backend = default_driver.scheduler.grammar_backend
     compiled: list[GrammarKey] = []
-    real_compile = backend.compile
+    real_submit = backend.lanes.submit
 
-    def counting_compile(key: GrammarKey) -> object:
+    def counting_submit(key: GrammarKey, small: bool) -> object:
         compiled.append(key)
-        return real_compile(key)
+        return real_submit(key, small)
 
-    monkeypatch.setattr(backend, "compile", counting_compile)
+    monkeypatch.setattr(backend.lanes, "submit", counting_submit)
     # Schemas no other test uses, so their keys are not cached yet.
     specs = [
         json.dumps(
