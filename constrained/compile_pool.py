@@ -22,10 +22,10 @@ Lifecycle of a compile in `ProcessLanes`:
     each killed or dead worker is started again when its lane next has a compile for it.
 
 A compiled grammar comes back serialized only when it is small: the token-mask cache of a
-big schema serializes slower than it compiles (1000 optional properties: compiled in 7 s,
-365 MB of JSON written in 27 s and read in 11 s), so for a big one the worker's answer is
-that the compile ends, and the lane's thread compiles it again here, in about the time the
-worker took.
+big schema takes several times longer to write out and read back than to compile (figures
+in docs/benchmarks.md, "Grammar compiles in processes"), so for a big one the worker's
+answer is only that the compile ends, and the lane's thread compiles it again here, in
+about the time the worker took.
 
 Workers fork from a zygote process that has imported the compiler once, so that a new
 worker starts in milliseconds instead of importing it again (seconds); the zygote and the
@@ -34,7 +34,7 @@ and the zygote with this process, so no compile outlives the server.
 
 Two lanes, as with threads: with two or more workers, one takes only small grammars, so a
 flood of big ones does not hold up a short regex or a small tool schema. Size does not
-always tell (a 90-byte pattern can compile for minutes), so a compile on the small lane
+always tell (a 100-byte schema can compile for minutes), so a compile on the small lane
 that runs past `SMALL_BUDGET_S` is stopped and started again on the general lane.
 """
 
@@ -144,11 +144,11 @@ class ProcessLanes:
     answers every key it receives with `("ok", payload)`, `("error", message)` or
     `("compile here", None)`; `decode(payload)` rebuilds the result here, a message becomes
     `error_type(message)`, and "compile here" (a result too big to ship: the worker has
-    shown that the compile ends) runs `compile_here(key)` on this lane's thread.
-    `init` is called when the first worker starts. The process's zygote imports
-    `worker_main`'s module once. A compile on the small lane that runs past `small_budget_s` was misjudged as small
-    (a short schema can still take minutes): it is stopped and started again on the
-    general lane, so that the small lane stays quick."""
+    shown that the compile ends) runs `compile_here(key)` on this lane's thread. `init` is
+    called when the first worker starts. The process's zygote imports `worker_main`'s
+    module once. A compile on the small lane that runs past `small_budget_s` was misjudged
+    as small (a short schema can still take minutes): it is stopped and started again on
+    the general lane, so that the small lane stays quick."""
 
     def __init__(
         self,

@@ -96,9 +96,9 @@ def _compile(compiler: xgr.GrammarCompiler, key: GrammarKey) -> xgr.CompiledGram
 
 
 # The largest compiled grammar a worker sends back serialized; a bigger one is compiled
-# again in the scheduler (`ProcessLanes`). A tool schema or a short regex takes tens of
-# kilobytes; 200 optional properties take 0.7 MB, whose JSON (15 MB) takes 0.9 s to write
-# against 0.15 s to compile (`python -m bench.grammar_compile` shapes, default vocabulary).
+# again in the scheduler (`ProcessLanes`). Tool schemas and short regexes stay well under
+# it; past it, writing and reading the JSON took longer than compiling again in every shape
+# measured (docs/benchmarks.md, "Grammar compiles in processes").
 SHIP_BYTES = 256 << 10
 
 
