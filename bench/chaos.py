@@ -1,5 +1,10 @@
-"""Chaos behind sglang-router: two RadixRT servers in data-parallel behind the router, steady
-streaming load through it, then `kill -9` of one server mid-run and a restart on its port.
+"""Chaos behind sglang-router: RadixRT servers behind the router, steady streaming load
+through it, then `kill -9` of one server mid-run and a restart on its ports. `--mode`:
+
+- `dp`: two servers in data-parallel; one is killed.
+- `pd-prefill`: prefill/decode disaggregation (`--disaggregation-transfer-backend`, mooncake
+  by default) with two prefill servers and one decode server; a prefill server is killed.
+- `pd-decode`: one prefill server and two decode servers; a decode server is killed.
 
 It reports what a client saw: requests that failed before their stream started (the router
 should retry those), streams that started and then failed (each must end with an explicit
@@ -8,6 +13,7 @@ repeated a token, the router's own retry count, and how long after the restart t
 was serving again.
 
     python -m bench.chaos                                  # the default model, 60 s
+    python -m bench.chaos --mode pd-prefill                # then pd-decode
     python -m bench.chaos --server-args "--model-path /models/tiny" --duration-s 30
 """
 
@@ -115,13 +121,14 @@ async def load(args: argparse.Namespace, router_url: str, rec: Record, stop_at: 
 
 
 def serving(url: str) -> bool:
-    """Whether the server has a request (running or waiting): the router sends it traffic."""
+    """Whether the (restarted) server has run a forward step: the router sends it traffic.
+    A prefill server's requests pass too quickly to be caught running."""
     try:
-        with urllib.request.urlopen(url + "/get_load", timeout=5) as r:
-            [load] = json.loads(r.read())
+        with urllib.request.urlopen(url + "/server_info", timeout=5) as r:
+            info = json.loads(r.read())
     except (OSError, ValueError):
         return False
-    return load["num_reqs"] + load["num_waiting_reqs"] > 0
+    return info["internal_states"][0]["forward_ct"] > 0
 
 
 def router_metric(port: int, needle: str) -> float:
@@ -136,23 +143,60 @@ def router_metric(port: int, needle: str) -> float:
     return total
 
 
-class Fleet:
-    """Two servers behind sglang-router (round robin, its default retries and health checks,
-    `router_args` added)."""
+@dataclass
+class Member:
+    """One server of the fleet: its arguments and ports, and how the router names it."""
 
-    def __init__(self, server_args: list[str], router_args: list[str], out: Path) -> None:
-        self.server_args, self.out = server_args, out
-        self.ports = [free_port(), free_port()]
-        self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
-        self.servers = [
-            start_radixrt(server_args, out / f"server-{k}.log", p)[0]
-            for k, p in enumerate(self.ports)
-        ]
+    args: list[str]
+    port: int
+    name: str
+    router_args: list[str]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def members(mode: str, server_args: list[str]) -> tuple[list[Member], list[str], int]:
+    """The fleet of `mode`, the router's arguments that name it, and which one to kill."""
+    if mode == "dp":
+        fleet = [Member(server_args, free_port(), f"server-{k}", []) for k in range(2)]
+        urls = [m.url for m in fleet]
+        return fleet, ["--worker-urls", *urls, "--policy", "round_robin"], 0
+    n_prefill, n_decode = (2, 1) if mode == "pd-prefill" else (1, 2)
+    fleet = []
+    for k in range(n_prefill):
+        bootstrap = str(free_port())
+        args = [*server_args, "--disaggregation-mode", "prefill"]
+        args += ["--disaggregation-bootstrap-port", bootstrap]
+        port = free_port()
+        named = ["--prefill", f"http://127.0.0.1:{port}", bootstrap]
+        fleet.append(Member(args, port, f"prefill-{k}", named))
+    for k in range(n_decode):
+        port = free_port()
+        args = [*server_args, "--disaggregation-mode", "decode"]
+        fleet.append(Member(args, port, f"decode-{k}", ["--decode", f"http://127.0.0.1:{port}"]))
+    router = ["--pd-disaggregation", *(a for m in fleet for a in m.router_args)]
+    return fleet, router, 0 if mode == "pd-prefill" else 1
+
+
+class Fleet:
+    """Servers behind sglang-router (its default retries and health checks, `router_args`
+    added)."""
+
+    def __init__(
+        self, fleet: list[Member], naming: list[str], router_args: list[str], out: Path
+    ) -> None:
+        self.members, self.out = fleet, out
+        self.urls = [m.url for m in fleet]
+        self.servers = []
+        for m in fleet:
+            self.servers.append(start_radixrt(m.args, out / f"{m.name}.log", m.port)[0])
         self.router_port, self.metrics_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.router_port}"
         self.router_log = open(out / "router.log", "w")  # noqa: SIM115 - closed in close()
         cmd = router_command(
-            "--worker-urls", *self.urls, "--policy", "round_robin",
+            *naming,
             "--host", "127.0.0.1", "--port", str(self.router_port),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
             *router_args,
@@ -169,8 +213,9 @@ class Fleet:
         self.servers[k].wait()
 
     def restart(self, k: int) -> None:
-        log = self.out / f"server-{k}-restarted.log"
-        self.servers[k], _ = start_radixrt(self.server_args, log, self.ports[k])
+        m = self.members[k]
+        log = self.out / f"{m.name}-restarted.log"
+        self.servers[k], _ = start_radixrt(m.args, log, m.port)
 
     def close(self) -> None:
         if self.router.poll() is None:
@@ -188,12 +233,12 @@ async def timeline(args: argparse.Namespace, fleet: Fleet, rec: Record) -> float
     load_task = asyncio.ensure_future(load(args, fleet.url, rec, stop_at))
     await asyncio.sleep(args.kill_after_s)
     rec.kill_at = time.monotonic()
-    await asyncio.to_thread(fleet.kill, 0)
+    await asyncio.to_thread(fleet.kill, args.victim)
     await asyncio.sleep(args.restart_after_s)
     rec.restart_at = time.monotonic()
-    await asyncio.to_thread(fleet.restart, 0)
+    await asyncio.to_thread(fleet.restart, args.victim)
     while time.monotonic() < stop_at and rec.serving_again_at is None:
-        if await asyncio.to_thread(serving, fleet.urls[0]):
+        if await asyncio.to_thread(serving, fleet.urls[args.victim]):
             rec.serving_again_at = time.monotonic()
         await asyncio.sleep(0.5)
     await load_task
@@ -201,16 +246,20 @@ async def timeline(args: argparse.Namespace, fleet: Fleet, rec: Record) -> float
 
 
 def chaos(args: argparse.Namespace) -> dict[str, Any]:
-    fleet = Fleet(
-        [*args.server_args.split(), "--enable-metrics"], args.router_args.split(), args.out
-    )
+    server_args = [*args.server_args.split(), "--enable-metrics"]
+    if args.mode != "dp":
+        server_args += ["--disaggregation-transfer-backend", args.transfer_backend]
+    fleet_members, naming, args.victim = members(args.mode, server_args)
+    fleet = Fleet(fleet_members, naming, args.router_args.split(), args.out)
     rec = Record()
     try:
         t0 = asyncio.run(timeline(args, fleet, rec))
         retries = router_metric(fleet.metrics_port, "retr")
     finally:
         fleet.close()
-    return summarize(rec, t0, retries)
+    return {"mode": args.mode, "killed": fleet_members[args.victim].name} | summarize(
+        rec, t0, retries
+    )
 
 
 def summarize(rec: Record, t0: float, retries: float) -> dict[str, Any]:
@@ -238,6 +287,8 @@ def summarize(rec: Record, t0: float, retries: float) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--mode", choices=["dp", "pd-prefill", "pd-decode"], default="dp")
+    p.add_argument("--transfer-backend", default="mooncake", help="PD modes: how KV moves")
     p.add_argument("--server-args", default="--dtype float32 --max-total-tokens 16384")
     # The router's circuit breaker retries an open circuit after 60 s by default; 10 s here, so
     # that a restarted server's rejoin is measured within a short run.

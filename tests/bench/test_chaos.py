@@ -42,3 +42,27 @@ def test_each_outcome_is_told_apart() -> None:
     assert summary["streams"] == 4 and summary["failed_before_start"] == 1
     assert summary["broken_transfers"] == 1 and summary["silent_truncations"] == 0
     assert summary["corrupted_or_duplicated"] == 0 and len(summary["failures"]) == 3
+
+
+def test_the_fleets_the_router_is_told_about() -> None:
+    """Each mode's servers, the router's arguments naming them, and which one is killed."""
+    dp, naming, victim = chaos.members("dp", ["--x"])
+    assert [m.name for m in dp] == ["server-0", "server-1"] and victim == 0
+    assert naming == ["--worker-urls", dp[0].url, dp[1].url, "--policy", "round_robin"]
+
+    pd, naming, victim = chaos.members("pd-prefill", ["--x"])
+    assert [m.name for m in pd] == ["prefill-0", "prefill-1", "decode-0"] and victim == 0
+    bootstraps = [m.args[m.args.index("--disaggregation-bootstrap-port") + 1] for m in pd[:2]]
+    assert len(set(bootstraps)) == 2
+    assert naming == [
+        "--pd-disaggregation",
+        "--prefill", pd[0].url, bootstraps[0],
+        "--prefill", pd[1].url, bootstraps[1],
+        "--decode", pd[2].url,
+    ]  # fmt: skip
+    assert all(m.args[0] == "--x" for m in pd)
+
+    pd, naming, victim = chaos.members("pd-decode", [])
+    assert [m.name for m in pd] == ["prefill-0", "decode-0", "decode-1"]
+    assert pd[victim].name == "decode-0"
+    assert naming.count("--decode") == 2 and naming.count("--prefill") == 1
