@@ -143,7 +143,7 @@ async def one(session: aiohttp.ClientSession, url: str, kind: str, rng: random.R
                 return Outcome(kind, "expected")
             return Outcome(kind, "ok" if resp.status == 200 else f"http {resp.status}")
     except (aiohttp.ClientError, TimeoutError, ConnectionError) as e:
-        return Outcome(kind, f"{type(e).__name__}")
+        return Outcome(kind, f"{type(e).__name__}: {e}")
     except Exception as e:  # noqa: BLE001 - a reply we could not read is a failure too
         return Outcome(kind, f"unreadable reply: {e!r}")
 

@@ -39,9 +39,14 @@ def test_each_drift_and_failure_is_caught() -> None:
     leak["samples"][-1]["processes"]["child 2"]["rss_mb"] = 2000 * 1.06
     assert not verdicts(leak)["RSS of child 2 after 600 s"]
 
+    busy = record()  # a peak of open connections is not a leak
+    busy["samples"][2]["processes"]["main"]["fds"] = 60
+    assert verdicts(busy)["least fds of main, last 600 s / after 600 s"]
+
     fds = record()
-    fds["samples"][2]["processes"]["main"]["fds"] = 31
-    assert not verdicts(fds)["fds of main after 600 s"]
+    for sample in fds["samples"][2:]:
+        sample["processes"]["main"]["fds"] = 31
+    assert not verdicts(fds)["least fds of main, last 600 s / after 600 s"]
 
     slow = copy.deepcopy(record())
     slow["streams"] = [(t, 0.5 if t > 1200 else 0.2, 0.04) for t, _, _ in slow["streams"]]

@@ -6,21 +6,25 @@ lighter of two workers by that number. It registers a worker from `GET /server_i
 (`model_path` is its tokenizer source). Checked here: the router reads a real load (not
 -1) from both, the load moves with the queue (on the worker and in the router's own
 `/get_loads`), requests avoid the loaded worker, and the router logs no load-fetch or
-tokenizer-path warning once the workers are registered.
+tokenizer-path warning once the workers are registered. Last, a trimmed `bench/chaos.py`:
+the busy worker is killed under streaming load behind a router with its retries on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import signal
 import subprocess
 import time
 from pathlib import Path
 
+import aiohttp
 import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench import chaos
 from bench.launch import router_command
 from tests.server.server_process import ServerProcess, die_with_parent, free_port
 
@@ -37,7 +41,7 @@ BAD_LINES = ("No loads fetched from workers", "No tokenizer_path or model_path f
 
 
 class Router:
-    def __init__(self, worker_urls: list[str], log_path: Path) -> None:
+    def __init__(self, worker_urls: list[str], log_path: Path, *extra: str) -> None:
         self.url = f"http://127.0.0.1:{free_port()}"
         self.log_path = log_path
         cmd = router_command(
@@ -45,7 +49,7 @@ class Router:
             "--worker-startup-check-interval", str(LOAD_INTERVAL_S),
             "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1],
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-            "--disable-retries", "--disable-circuit-breaker",
+            *(extra or ("--disable-retries", "--disable-circuit-breaker")),
         )  # fmt: skip
         self.log = open(log_path, "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -198,3 +202,39 @@ def test_router_registers_model_path(cluster) -> None:
     for w in workers:
         assert w["metadata"]["model_path"] == name, w
         assert w["model_id"] == name, w
+
+
+def test_a_worker_killed_under_streaming_load(cluster, tmp_path) -> None:
+    """Last in the module (it kills the busy worker): eight streams through a second router,
+    with the router's retries and circuit breaker on, and `kill -9` of the busy worker while
+    they run. Every stream either completes or visibly fails (an error event, or a transfer
+    cut off), none is silently short or repeats a token; after the kill the router soon
+    stops sending requests to the dead worker (until then one may fail with its own
+    error, once its retries met only the dead worker), and they complete on the live one."""
+    (busy, _idle), _ = cluster
+    router = Router(
+        [s.url for s in cluster[0]], tmp_path / "router.log", "--retry-max-retries", "3"
+    )
+    try:
+        router.wait_ready(num_workers=2)
+        during, after = asyncio.run(streams_across_a_kill(router.url, busy))
+    finally:
+        router.stop()
+    outcomes = [s.outcome for s in during]
+    assert "truncated" not in outcomes and "corrupted" not in outcomes, during
+    assert "complete" in outcomes, during  # the live worker's
+    assert [s.outcome for s in after[-4:]] == ["complete"] * 4, after
+    assert all(s.outcome in ("complete", "failed_before_start") for s in after), after
+
+
+async def streams_across_a_kill(url: str, victim: ServerProcess):
+    timeout = aiohttp.ClientTimeout(total=ROUTER_TIMEOUT_S)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        running = [asyncio.create_task(chaos.one_stream(session, url, i, 32)) for i in range(8)]
+        await asyncio.sleep(1.5)  # streams on both workers; the busy one's queued behind one
+        victim.proc.kill()  # its scheduler and detokenizer die with it (PR_SET_PDEATHSIG)
+        during = await asyncio.gather(*running)
+        after: list[chaos.Stream] = []
+        while len(after) < 20 and [s.outcome for s in after[-4:]] != ["complete"] * 4:
+            after.append(await chaos.one_stream(session, url, len(after), 8))
+    return during, after
