@@ -218,7 +218,7 @@ class ServerArgs:
         ["process", "thread"],
     )
     grammar_max_pending_per_client: int = _opt(
-        4,
+        16,
         "distinct grammars one client (one peer address) may wait for at once; a request for "
         "another gets a 429 (0: no cap)",
     )
