@@ -49,7 +49,6 @@ logger = logging.getLogger(__name__)
 KINDS = ("json_schema", "regex", "ebnf")
 DEFAULT_CACHE_SIZE = 64
 DEFAULT_COMPILE_THREADS = 4
-ISOLATIONS = ("process", "thread")
 # What tool calls and simple regexes send: such grammars usually compile in milliseconds, so
 # they share one thread of their own. A crafted one can still take seconds: the thread bounds
 # how long a small grammar waits behind big ones, it does not make the wait zero. Measured by

@@ -27,7 +27,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any
 
-from constrained.base_grammar_backend import GrammarError, GrammarKey
+from constrained.base_grammar_backend import GrammarError, GrammarKey, grammar_key
 from constrained.limits import GrammarLimitError
 from managers.io_struct import finish_abort
 from managers.req import Req
@@ -45,7 +45,6 @@ class _Entry:
     future: Future[Any]
     deadline: float
     seq: int  # the queue's count of adds: names the entry on every tensor-parallel rank
-    key: GrammarKey | None = None
     client: str | None = None  # who sent the request (`TokenizedGenerateReqInput.client`)
 
 
@@ -62,22 +61,18 @@ class GrammarQueue:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def add(
-        self,
-        req: Req,
-        future: Future[Any],
-        key: GrammarKey | None = None,
-        client: str | None = None,
-    ) -> None:
+    def add(self, req: Req, future: Future[Any], client: str | None = None) -> None:
         self.seq += 1
         deadline = self.clock() + self.timeout_s
-        self.entries.append(_Entry(req, future, deadline, self.seq, key, client))
+        self.entries.append(_Entry(req, future, deadline, self.seq, client))
 
     def pending_for(self, client: str, key: GrammarKey) -> int:
         """The other grammars `client`'s requests wait for (a request for one it already
         waits for adds no work). Counted from the entries, which every tensor-parallel rank
         holds alike, not from the compiles' progress, which differs between ranks."""
-        return len({e.key for e in self.entries if e.client == client and e.key != key})
+        keys = {grammar_key(e.req.sampling_params) for e in self.entries if e.client == client}
+        keys.discard(key)
+        return len(keys)
 
     def remove_if(self, pred: Callable[[Req], bool]) -> list[Req]:
         gone = [e for e in self.entries if pred(e.req)]

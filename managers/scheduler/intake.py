@@ -148,7 +148,7 @@ class Intake:
         else:
             assert self.grammar_backend is not None  # `_refusal` checked it
             future = self.grammar_backend.compile_async(key)
-            self.grammar_queue.add(req, future, key, msg.client)
+            self.grammar_queue.add(req, future, msg.client)
 
     def _over_grammar_cap(self, client: str | None, key: GrammarKey) -> bool:
         cap = self.max_pending_grammars
