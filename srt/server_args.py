@@ -85,6 +85,13 @@ class ServerArgs:
     )
     load_format: str = _opt("auto", "weight format", ["auto", "safetensors", "dummy"])
     dtype: str = _opt("auto", "model and KV dtype", ["auto", "float32", "bfloat16", "float16"])
+    quantization: str = _opt(
+        "auto",
+        "weights kept quantized on CPU: gguf keeps a .gguf file's Q4_0/Q4_1/Q8_0 tensors as "
+        "stored (what auto does for a .gguf file on CPU), int8/int4 quantize at load, none "
+        "runs the float weights",
+        ["auto", "none", "gguf", "int8", "int4"],
+    )
     context_length: int | None = _opt(None, "override the model's context length")
     device: str = _opt("auto", "auto picks cuda when available, else cpu", ["auto", "cpu", "cuda"])
     cache_dir: str | None = _opt(None, "where converted GGUF models live (~/.cache/radixrt)")

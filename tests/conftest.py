@@ -16,12 +16,15 @@ import pytest
 
 from srt import environ
 
-# One shared server (the default model, float32, metrics on) for every HTTP test. Its chat
+# One shared server (the default model in float32, its GGUF weights dequantized: HF's
+# reference model; metrics on) for every HTTP test. Its chat
 # template renders exactly as the model's own without tools, so tools and reasoning are served
 # by the same server: hermes calls (what the template asks for) and qwen3-style <think>.
 SERVER_ARGS = (
     "--dtype",
     "float32",
+    "--quantization",
+    "none",
     "--max-total-tokens",
     "32768",
     "--enable-metrics",
@@ -54,13 +57,13 @@ def tiny_served_model(tmp_path_factory: pytest.TempPathFactory, default_model_pa
 
 @pytest.fixture(scope="session")
 def default_worker() -> Any:
-    """One float32 model worker of the default model for the in-process tests that run it,
-    each through `tests.engine.shared_worker.driver_on`: loading and prepacking the model
-    takes seconds each time on a small CPU."""
+    """One float32 model worker of the default model (dequantized, as HF loads it) for the
+    in-process tests that run it, each through `tests.engine.shared_worker.driver_on`:
+    loading and prepacking the model takes seconds each time on a small CPU."""
     from managers.model_worker import ModelWorker
     from srt.server_args import ServerArgs
 
-    return ModelWorker(ServerArgs(dtype="float32", max_total_tokens=16384))
+    return ModelWorker(ServerArgs(dtype="float32", quantization="none", max_total_tokens=16384))
 
 
 @pytest.fixture(scope="session")

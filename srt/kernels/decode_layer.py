@@ -1,6 +1,7 @@
 """One decoder layer of a CPU decode step in one compiled call (`csrc/decode_layer.c`).
 
-The C source includes layer_ops.c, packed_linear.c and paged_decode.c and runs their kernels
+The C source includes layer_ops.c, packed_linear.c, quant_linear.c and paged_decode.c and runs
+their kernels
 in the layer's order, so its output equals the modules' bit for bit. This module holds the
 call's C structures and the loader; `srt/model_executor/cpu_decode_layer_runner.py` decides
 which batches take it and fills the structures.
@@ -28,7 +29,8 @@ class DecodeLayerArgs(ctypes.Structure):
         ("hidden", _I64), ("inter", _I64), ("q_heads", _I64), ("kv_heads", _I64),
         ("head_dim", _I64), ("cos_sin", _P), ("max_position", _I64), ("rot", _I64),
         ("neox", _I32), ("scale", _F), ("k_cache", _P), ("v_cache", _P), ("slot_stride", _I64),
-        ("bf16", _I32),
+        ("bf16", _I32), ("qkv_bits", _I32), ("o_bits", _I32), ("gate_up_bits", _I32),
+        ("down_bits", _I32),
     ]  # fmt: skip
 
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from srt.distributed import HeadLayout, TPGroup, balanced_range
 from srt.layers.cpu_packed import PackedWeight, apply_linear
+from srt.layers.quantization import QuantizedWeight, record_blocks
 from srt.layers.weight_utils import (
     TakeFn,
     copy_into_shard,
@@ -58,7 +59,9 @@ def _take_rows(full_offsets: list[int], rows: list[tuple[int, int]]) -> TakeFn:
 
 class LinearBase(nn.Module):
     """y = x @ W.T + b with W [output_size, input_size], this rank's sizes. On CPU,
-    `pack_for_cpu` keeps packed copies of W in `packed` (see `srt/layers/cpu_packed.py`)."""
+    `pack_for_cpu` keeps packed copies of W in `packed` (see `srt/layers/cpu_packed.py`), or
+    W is kept quantized in `quant` (`srt/layers/quantization.py`; the dense parameter is then
+    a meta tensor)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -67,17 +70,23 @@ class LinearBase(nn.Module):
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
         self.bias = nn.Parameter(torch.zeros(output_size)) if bias else None
         self.packed: PackedWeight | None = None
+        self.quant: QuantizedWeight | None = None
         for param in self._params():
             set_weight_loader(param, self.weight_loader)
 
     def pack_for_cpu(self) -> bool:
-        """Pack the weight for the CPU matmuls; False where it cannot be packed."""
+        """Pack the weight for the CPU matmuls; False where it cannot be packed (or is kept
+        quantized)."""
+        if self.quant is not None:
+            return False
         self.packed = PackedWeight.pack(self.weight)
         return self.packed is not None
 
     def linear(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
         """x @ weight.T (+ bias unless `add_bias` is False: a row-parallel layer adds it once,
         after summing the ranks' partial products)."""
+        if self.quant is not None:
+            return self.quant.linear(x, add_bias)
         return apply_linear(x, self.weight, self.bias if add_bias else None, self.packed)
 
     def _params(self) -> list[nn.Parameter]:
@@ -89,6 +98,8 @@ class LinearBase(nn.Module):
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} has no shards (got {shard_id!r})")
         default_weight_loader(param, loaded_weight)
+        if param is self.weight:
+            record_blocks(self, None, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x)
@@ -163,6 +174,8 @@ class MergedColumnLinear(LinearBase):
     ) -> None:
         if shard_id is None:  # an already merged checkpoint tensor
             default_weight_loader(param, loaded_weight)
+            if param is self.weight:
+                record_blocks(self, None, loaded_weight)
             return
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard id must be 0..{len(self.output_sizes) - 1}, got {shard_id!r}")
@@ -172,6 +185,8 @@ class MergedColumnLinear(LinearBase):
         )
         offset = sum(self.output_sizes[:shard_id])
         copy_into_shard(param, rows, offset, self.output_sizes[shard_id], name)
+        if param is self.weight:
+            record_blocks(self, shard_id, loaded_weight)
 
 
 class QKVLinear(LinearBase):
@@ -224,6 +239,8 @@ class QKVLinear(LinearBase):
     ) -> None:
         if shard_id is None:
             default_weight_loader(param, loaded_weight)
+            if param is self.weight:
+                record_blocks(self, None, loaded_weight)
             return
         name = str(shard_id)
         offset, size = self.shard_range(name)
@@ -231,6 +248,8 @@ class QKVLinear(LinearBase):
         copy_into_shard(
             param, _narrow_rows(loaded_weight, full_rows, rows, name), offset, size, name
         )
+        if param is self.weight:
+            record_blocks(self, name, loaded_weight)
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

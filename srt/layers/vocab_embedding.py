@@ -15,12 +15,16 @@ from torch import nn
 
 from srt.distributed import TPGroup, VocabLayout, vocab_layout
 from srt.layers.cpu_packed import PackedWeight, apply_linear
+from srt.layers.quantization import QuantizedWeight, record_blocks
 from srt.layers.weight_utils import default_weight_loader, set_tp_take, set_weight_loader
 
 
-def _shard_vocab(param: nn.Parameter, vocab_size: int, layout: VocabLayout) -> None:
+def _shard_vocab(
+    param: nn.Parameter, vocab_size: int, layout: VocabLayout, owner: nn.Module
+) -> None:
     """Record the cut of a vocabulary-sharded parameter: full rows [start, end), zero-padded
-    to `layout.rows` (dim 0). The loaders write the padding too, so it is always zero."""
+    to `layout.rows` (dim 0). The loaders write the padding too, so it is always zero; the
+    loader keeps a GGUF-backed weight's blocks on `owner` (`quantization.record_blocks`)."""
     start, end, rows = layout.start, layout.end, layout.rows
 
     def take(full: torch.Tensor) -> torch.Tensor:
@@ -30,11 +34,18 @@ def _shard_vocab(param: nn.Parameter, vocab_size: int, layout: VocabLayout) -> N
         return torch.cat([part, part.new_zeros((rows - (end - start), *part.shape[1:]))])
 
     set_tp_take(param, (vocab_size, *param.shape[1:]), take)
-    set_weight_loader(param, default_weight_loader)
+
+    def load(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        default_weight_loader(param, loaded_weight)
+        if param.dim() == 2:
+            record_blocks(owner, None, loaded_weight)
+
+    set_weight_loader(param, load)
 
 
 class VocabEmbedding(nn.Module):
-    """input_ids [T] -> [T, embedding_dim]."""
+    """input_ids [T] -> [T, embedding_dim]. Tied to an LM head kept quantized, the table is
+    the head's (`quant`, rows dequantized as they are looked up)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tp: TPGroup | None = None) -> None:
         super().__init__()
@@ -43,14 +54,20 @@ class VocabEmbedding(nn.Module):
         self.embedding_dim = embedding_dim
         self.layout = vocab_layout(num_embeddings, self.tp.size, self.tp.rank)
         self.weight = nn.Parameter(torch.empty(self.layout.rows, embedding_dim))
-        _shard_vocab(self.weight, num_embeddings, self.layout)
+        self.quant: QuantizedWeight | None = None
+        _shard_vocab(self.weight, num_embeddings, self.layout, self)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is None:
+            return F.embedding(ids, self.weight)
+        return self.quant.rows(ids).to(self.weight.dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local_ids = input_ids - self.layout.start
         elsewhere = (local_ids < 0) | (local_ids >= self.layout.end - self.layout.start)
-        out = F.embedding(local_ids.masked_fill(elsewhere, 0), self.weight)
+        out = self._lookup(local_ids.masked_fill(elsewhere, 0))
         out.masked_fill_(elsewhere.unsqueeze(-1), 0)
         return self.tp.all_reduce(out)
 
@@ -91,6 +108,7 @@ class LMHead(nn.Module):
         super().__init__()
         self.tp = tp or TPGroup.single()
         self.packed: PackedWeight | None = None  # the CPU matmuls' copies (`pack_for_cpu`)
+        self.quant: QuantizedWeight | None = None  # or the weight kept quantized
         # The screen's bf16 panels of the weight and the weight's row norms, or None.
         self.screen: tuple[torch.Tensor, torch.Tensor] | None = None
         self.vocab_size = vocab_size
@@ -100,7 +118,7 @@ class LMHead(nn.Module):
         self.bias = nn.Parameter(torch.zeros(self.layout.rows)) if bias else None
         for param in (self.weight, self.bias):
             if param is not None:
-                _shard_vocab(param, vocab_size, self.layout)
+                _shard_vocab(param, vocab_size, self.layout, self)
         self.tied = False
 
     def tie_to(self, embedding: VocabEmbedding) -> None:
@@ -114,11 +132,15 @@ class LMHead(nn.Module):
         return self.linear(hidden_states)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.linear(x)
         return apply_linear(x, self.weight, self.bias, self.packed)
 
     def pack_for_cpu(self) -> bool:
         """Pack the weight for the CPU matmuls (and the greedy screen's copy, where it can
-        run); False where it cannot be packed."""
+        run); False where it cannot be packed (or is kept quantized)."""
+        if self.quant is not None:
+            return False
         self.packed = PackedWeight.pack(self.weight)
         if self.packed is None:
             return False

@@ -11,7 +11,8 @@ order for a whole layer in one call, so its output equals the modules' bit for b
 
 `enable_fused_decode(model)` (called by ModelRunner after the weights are packed and the CPU
 layer ops enabled) attaches a `FusedDecode` to a model whose every layer qualifies: float32
-weights, or bfloat16 where the CPU has AVX512_BF16 (the packed panels exist), the compiled
+weights, or bfloat16 where the CPU has AVX512_BF16 (the packed panels exist), each of them
+packed or kept quantized (`srt/layers/quantization.py`), the compiled
 layer ops, no q/k norm (Qwen3), one TP rank. `FusedDecode.run` then takes the decode batches
 it can (the cpu attention backend's decode kernel, a pool of the weights' dtype, at most
 `SMALL_ROWS` requests, the panels' row limit) and returns None for every other batch, which
@@ -48,6 +49,14 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _weight(linear: Any) -> tuple[int | None, int | None]:
+    """A linear layer's weight and bias as the kernel reads them: the quantized panels with
+    their float32 bias, or the packed panels with the layer's bias."""
+    if linear.quant is not None:
+        return _ptr(linear.quant.panels), _ptr(linear.quant.bias)
+    return _ptr(linear.packed.panels), _ptr(linear.bias)
+
+
 def _qualifies(layer: Any) -> str | None:
     """Why a decoder layer cannot run fused, or None when it can."""
     if not isinstance(layer, LlamaDecoderLayer):
@@ -65,7 +74,7 @@ def _qualifies(layer: Any) -> str | None:
     dtype = attn.qkv_proj.weight.dtype
     if dtype not in _DTYPES or any(m.weight.dtype != dtype for m in linears):
         return f"{dtype} weights"
-    if any(m.packed is None or m.packed.panels is None for m in linears):
+    if any(m.quant is None and (m.packed is None or m.packed.panels is None) for m in linears):
         return f"no packed {dtype} panels (bfloat16 needs AVX512_BF16)"
     ops_users = (layer.input_layernorm, layer.post_attention_layernorm, attn.rotary_emb, mlp.act_fn)
     if any(m.cpu_ops is None for m in ops_users):
@@ -99,14 +108,10 @@ class FusedDecode:
                     _ptr(layer.post_attention_layernorm.weight),
                     layer.input_layernorm.variance_epsilon,
                     layer.post_attention_layernorm.variance_epsilon,
-                    _ptr(attn.qkv_proj.packed.panels),
-                    _ptr(attn.qkv_proj.bias),
-                    _ptr(attn.o_proj.packed.panels),
-                    _ptr(attn.o_proj.bias),
-                    _ptr(mlp.gate_up_proj.packed.panels),
-                    _ptr(mlp.gate_up_proj.bias),
-                    _ptr(mlp.down_proj.packed.panels),
-                    _ptr(mlp.down_proj.bias),
+                    *_weight(attn.qkv_proj),
+                    *_weight(attn.o_proj),
+                    *_weight(mlp.gate_up_proj),
+                    *_weight(mlp.down_proj),
                     mlp.down_proj.weight.shape[0],
                     mlp.down_proj.weight.shape[1],
                     attn.num_heads,
@@ -121,6 +126,10 @@ class FusedDecode:
                     _ptr(v_cache),
                     k_cache.stride(0),
                     int(self._dtype == torch.bfloat16),
+                    *(
+                        0 if m.quant is None else m.quant.bits
+                        for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+                    ),
                 )
             )
         self._args, self._pool = args, pool

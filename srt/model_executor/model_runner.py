@@ -44,6 +44,7 @@ from srt.distributed import TPGroup, head_layout
 from srt.layers.cpu_packed import prepack_cpu_weights
 from srt.layers.fused_kernels import enable_cpu_ops
 from srt.layers.pooler import pool_parts, pooled_rows
+from srt.layers.quantization import resolve_quantization, weight_bytes
 from srt.model_executor.cpu_decode_layer_runner import enable_fused_decode
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner
 from srt.model_executor.forward_batch import ForwardBatch
@@ -65,6 +66,7 @@ from srt.model_executor.memory_sizing import (
     sampler_reserve_bytes,
 )
 from srt.model_executor.step_inputs import GraphInputs, StepStager
+from srt.model_loader.gguf_quant import gguf_source
 from srt.model_loader.loader import get_model
 from srt.sampling.registry import make_sampler
 from srt.server_args import ServerArgs
@@ -109,8 +111,22 @@ class ModelRunner:
         self.server_args = server_args
         self.device = server_args.resolved_device()
         torch.manual_seed(server_args.random_seed)
+        self.quantization = resolve_quantization(
+            server_args.quantization, gguf_source(model_config.model_path) is not None, self.device
+        )
         self.model = get_model(
-            model_config, server_args.load_format, self.device, self.tp, server_args.is_embedding
+            model_config,
+            server_args.load_format,
+            self.device,
+            self.tp,
+            server_args.is_embedding,
+            self.quantization,
+        )
+        sizes = weight_bytes(self.model)
+        logger.info(
+            "Weights: %.1f MB (%s)",
+            sum(sizes.values()) / 1e6,
+            ", ".join(f"{kind} {n / 1e6:.1f} MB" for kind, n in sorted(sizes.items())),
         )
         if self.device == "cpu" and not server_args.disable_cpu_weight_prepack:
             prepack_cpu_weights(self.model)  # before the KV pool takes its share of free RAM

@@ -100,13 +100,15 @@ def get_model(
     device: str = "cpu",
     tp: TPGroup | None = None,
     embedding: bool = False,
+    quantization: str = "none",
 ) -> torch.nn.Module:
     """Build ``model_config``'s architecture in its dtype on ``device`` and load weights.
 
     ``auto`` / ``safetensors`` read the folder's safetensors; ``dummy`` fills random values
     so benchmarks can run any config.json without weights. ``tp`` (None: one device) builds
     this rank's shard of the model. ``embedding``: the model only pools hidden states, so
-    its checkpoint may lack the LM head.
+    its checkpoint may lack the LM head. ``quantization`` (resolved: none, gguf, int8 or
+    int4) keeps the linear weights quantized (`srt.layers.quantization`).
     """
     from srt.models.registry import get_model_class
 
@@ -122,22 +124,34 @@ def get_model(
         init_dummy_weights(model)
     else:
         weights = iterate_safetensors(model_config.model_path)
+        if quantization == "gguf":
+            from srt.model_loader.gguf_quant import attach_gguf_blocks, gguf_source
+
+            source = gguf_source(model_config.model_path)
+            if source is None:
+                raise ValueError("--quantization gguf needs a model converted from a .gguf file")
+            weights = attach_gguf_blocks(weights, source)
         if embedding:
             model.load_weights(weights, need_lm_head=False)
         else:
             model.load_weights(weights)
     model.eval()
     model.requires_grad_(False)
+    if quantization != "none":
+        from srt.layers.quantization import quantize_model
+
+        quantize_model(model, quantization)
     num_params = sum(p.numel() for p in model.parameters())
     shard = f", TP rank {tp.rank} of {tp.size}" if tp is not None and tp.size > 1 else ""
     logger.info(
-        "Loaded %s (%.1fM params%s, %s, %s, load_format=%s) in %.2f s",
+        "Loaded %s (%.1fM params%s, %s, %s, load_format=%s, quantization=%s) in %.2f s",
         cls.__name__,
         num_params / 1e6,
         shard,
         model_config.dtype,
         device,
         load_format,
+        quantization,
         time.perf_counter() - start,
     )
     return model

@@ -25,7 +25,7 @@ def driver_on(worker: Any, tokenizer: Any = None, **args: Any) -> Iterator[InPro
     """A float32 driver of the default model on `worker` (see `default_worker` in
     tests/conftest.py), released on exit."""
     driver = InProcessDriver(
-        ServerArgs(dtype="float32", **args), worker=worker, tokenizer=tokenizer
+        ServerArgs(dtype="float32", quantization="none", **args), worker=worker, tokenizer=tokenizer
     )
     try:
         yield driver

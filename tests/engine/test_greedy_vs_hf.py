@@ -51,6 +51,7 @@ def run_engine(
     server_args = ServerArgs(
         model_path=model_path,
         dtype="float32",
+        quantization="none",  # HF runs the GGUF's weights dequantized
         skip_tokenizer_init=True,
         max_total_tokens=8192,
         **args,

@@ -52,11 +52,18 @@ FORMAT_ASSUMES: dict[str, dict[str, object]] = {
 
 
 def save_tiny_gguf(
-    arch: str, folder: Path, leave_out: tuple[str, ...] = (), **overrides: object
+    arch: str,
+    folder: Path,
+    leave_out: tuple[str, ...] = (),
+    quant: dict[str, str] | None = None,
+    **overrides: object,
 ) -> Path:
     """Write `folder/hf` (the tiny model of `arch`, with `FORMAT_ASSUMES` and then
     `overrides` set on its config) and `folder/<arch>.gguf`, its GGUF without the tensors
-    whose GGUF names end with one of `leave_out`; return the GGUF's path."""
+    whose GGUF names end with one of `leave_out`; return the GGUF's path. `quant` stores
+    matrices quantized as llama.cpp's `llama-quantize` would: GGUF name prefix -> type
+    (`{"token_embd": "Q8_0", "": "Q4_1"}`: the embedding Q8_0, every other matrix Q4_1; the
+    first matching prefix wins). `folder/hf` keeps the unquantized weights."""
     import gguf
 
     model = tiny_gguf_model(arch, **overrides)
@@ -72,12 +79,25 @@ def save_tiny_gguf(
     for name, tensor in _gguf_tensors(arch, model):
         if name.endswith(leave_out):
             continue
-        writer.add_tensor(name, np.ascontiguousarray(tensor.float().numpy()))
+        data = np.ascontiguousarray(tensor.float().numpy())
+        kind = _quant_type(name, data, quant)
+        if kind is None:
+            writer.add_tensor(name, data)
+        else:
+            qtype = gguf.GGMLQuantizationType[kind]
+            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _quant_type(name: str, data: np.ndarray, quant: dict[str, str] | None) -> str | None:
+    """The type `quant` gives a tensor: matrices whose rows are whole blocks of 32 only."""
+    if not quant or data.ndim != 2 or data.shape[1] % 32 or not name.endswith(".weight"):
+        return None
+    return next((kind for prefix, kind in quant.items() if name.startswith(prefix)), None)
 
 
 def tiny_gguf_model(arch: str, **overrides: object) -> torch.nn.Module:

@@ -44,7 +44,8 @@ PERSON = {
 def tp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("tp2") / "server.log"
     srv = ServerProcess(
-        "--dtype", "float32", "--max-total-tokens", "4096", "--tp-size", "2", log_path=log
+        "--dtype", "float32", "--quantization", "none", "--max-total-tokens", "4096",
+        "--tp-size", "2", log_path=log
     )  # fmt: skip
     yield srv
     srv.stop(signal.SIGKILL)  # the last test killed it already, unless it failed early

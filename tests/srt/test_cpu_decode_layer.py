@@ -12,6 +12,7 @@ from attention.cpu_backend import CpuAttnBackend
 from srt.kernels.decode_layer import decode_layer_kernel
 from srt.kernels.linear import packed_linear_kernel
 from srt.layers.cpu_packed import SMALL_ROWS, prepack_cpu_weights
+from srt.layers.quantization import quantize_model
 from srt.model_executor.cpu_decode_layer_runner import FusedDecode, enable_fused_decode
 from tests.srt.forward_helpers import ForwardBatchBuilder
 from tests.srt.test_models import build_pair, hf_logits
@@ -42,9 +43,11 @@ CONFIGS = {
 }
 
 
-def fused_model(name: str, dtype: torch.dtype = torch.float32):
+def fused_model(name: str, dtype: torch.dtype = torch.float32, quantization: str = "none"):
     hf, ours = build_pair(CONFIGS[name], dtype, layer_ops="cpu")
-    assert prepack_cpu_weights(ours) > 0
+    if quantization != "none":
+        assert quantize_model(ours, quantization) > 0
+    assert prepack_cpu_weights(ours) > 0 or quantization != "none"
     fused = enable_fused_decode(ours)
     assert isinstance(fused, FusedDecode) and ours.model.fused_decode is fused
     return hf, ours, fused
@@ -140,6 +143,27 @@ def test_fused_decode_equals_the_modules_bitwise(name: str, dtype: torch.dtype):
     for rid, seq in enumerate(seqs):
         expected = hf_logits(hf, seq)[-1]
         torch.testing.assert_close(got[-1][rid], expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("name", "quantization"), [("qwen2_qkv_bias", "int4"), ("llama_gqa3_tied", "int8")]
+)
+def test_fused_decode_equals_the_modules_on_quantized_weights(name: str, quantization: str):
+    """Weights kept quantized (biases, a tied table looked up in the LM head's panels): the
+    fused layer runs the same quantized kernel as the modules, bit for bit."""
+    _, ours, fused = fused_model(name, quantization=quantization)
+    assert ours.model.layers[0].mlp.down_proj.quant is not None
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (80, 5)]
+    got, got_pool, _ = serve(ours, fused, prompts, steps=3)
+    want, want_pool, _ = serve(ours, None, prompts, steps=3)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    for layer in range(ours.config.num_hidden_layers):
+        for got_kv, want_kv in zip(
+            got_pool.get_kv_buffer(layer), want_pool.get_kv_buffer(layer), strict=True
+        ):
+            assert torch.equal(got_kv, want_kv), layer
 
 
 def test_batches_it_does_not_take_run_the_modules():

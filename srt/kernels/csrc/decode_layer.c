@@ -18,9 +18,11 @@
 #include "layer_ops.c"
 #include "packed_linear.c"
 #include "paged_decode.c"
+#include "quant_linear.c"
 
-/* What a layer keeps from load to unload: weights (the packed panels of packed_linear.c),
- * shapes, the RoPE cache and this layer's K/V buffers in the pool. Weights, activations and
+/* What a layer keeps from load to unload: weights (the packed panels of packed_linear.c, or
+ * of quant_linear.c for a weight whose `*_bits` is 4 or 8, its bias then float32), shapes,
+ * the RoPE cache and this layer's K/V buffers in the pool. Dense weights, activations and
  * the pool are float32, or bfloat16 with `bf16` set (where the panels exist: AVX512_BF16). */
 typedef struct {
     const void *input_norm, *post_norm;
@@ -34,6 +36,7 @@ typedef struct {
     void *k_cache, *v_cache;
     int64_t slot_stride;
     int32_t bf16;
+    int32_t qkv_bits, o_bits, gate_up_bits, down_bits;
 } DecodeLayer;
 
 /* One step's batch (rows = running requests) and scratch buffers, each `rows` rows wide as
@@ -52,9 +55,13 @@ typedef struct {
     int32_t threads;
 } DecodeStep;
 
-/* out = x W (+ bias) in the layer's dtype; 0, or 2 (bf16 with an odd K, or no bf16 kernel). */
+/* out = x W (+ bias) in the layer's dtype, W quantized when `bits` is set; 0, or 2 (bf16 with
+ * an odd K, no bf16 kernel, or a quantized K off its blocks), 3 when out of memory. */
 static int linear(const DecodeLayer *L, const void *x, int64_t K, const void *w,
-                  const void *bias, int64_t B, int64_t N, void *out, int threads) {
+                  const void *bias, int bits, int64_t B, int64_t N, void *out, int threads) {
+    if (bits)
+        return quant_linear(x, K, L->bf16, w, bits, bias, (int)B, (int)N, (int)K, out, N,
+                            threads);
     if (!L->bf16) {
         packed_linear(x, K, w, bias, (int)B, (int)N, (int)K, out, N, threads);
         return 0;
@@ -89,7 +96,8 @@ int decode_layer(const DecodeLayer *L, const DecodeStep *S, void *x, void *resid
                      L->input_eps, threads);
         h = x;
     }
-    if (linear(L, h, hidden, L->qkv, L->qkv_bias, B, n_qkv, S->qkv, threads) != 0) return 2;
+    if (linear(L, h, hidden, L->qkv, L->qkv_bias, L->qkv_bits, B, n_qkv, S->qkv, threads) != 0)
+        return 2;
     char *qkv = S->qkv;
     if (rope_rows(qkv, n_qkv, L->q_heads, qkv + q_dim * elem, n_qkv, L->kv_heads, S->positions,
                   L->cos_sin, L->max_position, B, D, L->rot, L->neox, bf16, threads) != 0)
@@ -118,12 +126,16 @@ int decode_layer(const DecodeLayer *L, const DecodeStep *S, void *x, void *resid
         for (int64_t i = 0; i < B * q_dim; i++) rounded[i] = bf16_round(S->attn[i]);
         attn = rounded;
     }
-    if (linear(L, attn, q_dim, L->o, L->o_bias, B, hidden, S->o, threads) != 0) return 2;
+    if (linear(L, attn, q_dim, L->o, L->o_bias, L->o_bits, B, hidden, S->o, threads) != 0)
+        return 2;
     rmsnorm_rows(S->o, hidden, residual, hidden, L->post_norm, S->o, hidden, B, hidden, bf16,
                  L->post_eps, threads);
-    if (linear(L, S->o, hidden, L->gate_up, L->gate_up_bias, B, 2 * L->inter, S->gate_up,
-               threads) != 0)
+    if (linear(L, S->o, hidden, L->gate_up, L->gate_up_bias, L->gate_up_bits, B, 2 * L->inter,
+               S->gate_up, threads) != 0)
         return 2;
     silu_and_mul_rows(S->gate_up, 2 * L->inter, S->act, L->inter, B, L->inter, bf16, threads);
-    return linear(L, S->act, L->inter, L->down, L->down_bias, B, hidden, out, threads);
+    return linear(L, S->act, L->inter, L->down, L->down_bias, L->down_bits, B, hidden, out,
+                  threads) != 0
+               ? 2
+               : 0;
 }

@@ -1,0 +1,235 @@
+"""Weights kept quantized on CPU (`--quantization`): which layers hold them, and how.
+
+`gguf` keeps a GGUF file's Q4_0, Q4_1 and Q8_0 tensors as they are stored; `int8` / `int4`
+quantize a float checkpoint at load (`srt.kernels.quant.quantize`). The linear layers (q, k,
+v, o, gate, up, down) and the LM head run through the quantized kernel
+(`srt/kernels/csrc/quant_linear.c`); an embedding table tied to a quantized LM head looks its
+rows up in the head's panels, so the table is held once, quantized.
+
+Loading: `srt.model_loader.gguf_quant` hands each GGUF-backed checkpoint tensor to the model's
+`load_weights` as usual (the float values, exact) with its blocks attached
+(`QUANT_BLOCKS_ATTR`); the loaders of the layers that can run quantized record the blocks per
+shard (`record_blocks`), every other loader just copies the floats. `quantize_model` then
+cuts each recorded weight to this rank's part (rows for column-parallel layers, blocks of
+columns for row-parallel ones), packs it, and replaces the dense parameter with a meta
+tensor of the same shape and dtype: the float copy is gone, and any path that would still
+read it fails loudly instead of computing with stale values. A layer whose shards are not
+all quantized alike (a Q4_K_M file mixes types), or whose cut does not fall on blocks of 32,
+keeps its float weight.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from srt.kernels.quant import BITS, QK, QuantBlocks, QuantLinearKernel, quant_linear_kernel
+from srt.kernels.quant import quantize as quantize_blocks
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
+# The attribute of a checkpoint tensor that carries its GGUF blocks (`gguf_quant`).
+QUANT_BLOCKS_ATTR = "gguf_blocks"
+
+
+def attached_blocks(loaded_weight: torch.Tensor) -> QuantBlocks | None:
+    """The GGUF blocks a checkpoint tensor carries, if any."""
+    return getattr(loaded_weight, QUANT_BLOCKS_ATTR, None)
+
+
+def record_blocks(module: nn.Module, shard_id: object, loaded_weight: torch.Tensor) -> None:
+    """Keep the blocks `loaded_weight` carries for shard `shard_id` of `module` (None: the
+    whole weight), for `quantize_model`; a float shard drops what was kept (the layer stays
+    float)."""
+    blocks = attached_blocks(loaded_weight)
+    shards: dict[object, QuantBlocks | None] = module.__dict__.setdefault("_quant_shards", {})
+    shards[shard_id] = blocks
+
+
+@dataclass(eq=False)
+class QuantizedWeight:
+    """One layer's weight kept quantized: the kernel's panels of an `[N, K]` weight of
+    `kind` (a GGUF type, or int8 / int4), and its bias in float32 (the kernel's)."""
+
+    kind: str
+    shape: tuple[int, int]
+    panels: torch.Tensor
+    kernel: QuantLinearKernel
+    bias: torch.Tensor | None = None
+
+    @classmethod
+    def pack(
+        cls, blocks: QuantBlocks, kernel: QuantLinearKernel, bias: torch.Tensor | None
+    ) -> QuantizedWeight:
+        float_bias = None if bias is None else bias.detach().float().contiguous()
+        return cls(blocks.kind, blocks.shape, kernel.pack(blocks), kernel, float_bias)
+
+    @property
+    def bits(self) -> int:
+        return BITS[self.kind]
+
+    def linear(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """x @ W.T (+ bias) for a float32 or bfloat16 CPU input (out in x's dtype)."""
+        bias = self.bias if add_bias else None
+        return self.kernel(x, self.panels, self.bits, self.shape[0], bias)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W, dequantized (float32): an embedding lookup."""
+        return self.kernel.gather_rows(self.panels, self.bits, self.shape, ids)
+
+
+def resolve_quantization(choice: str, is_gguf: bool, device: str) -> str:
+    """What `--quantization` means for this model: `auto` keeps a GGUF file's quantized
+    tensors on CPU (`gguf`) and quantizes nothing otherwise (`none`). Quantized weights run
+    on CPU only."""
+    if choice not in QUANTIZATIONS:
+        raise ValueError(f"--quantization {choice!r}: choose one of {QUANTIZATIONS}")
+    if choice == "auto":
+        return "gguf" if is_gguf and device == "cpu" and quant_linear_kernel() else "none"
+    if choice != "none" and device != "cpu":
+        raise ValueError(f"--quantization {choice} runs on CPU only (device {device})")
+    if choice == "gguf" and not is_gguf:
+        raise ValueError("--quantization gguf needs a .gguf model file")
+    if choice != "none" and quant_linear_kernel() is None:
+        raise ValueError(f"--quantization {choice}: the quantized CPU kernel could not be built")
+    return choice
+
+
+def _rank_blocks(module: nn.Module, shards: dict[object, QuantBlocks | None]) -> QuantBlocks | None:
+    """This rank's part of a layer's recorded blocks, or None (logged) where the layer must
+    stay float."""
+    from srt.layers.linear import MergedColumnLinear, QKVLinear, RowLinear
+
+    if any(b is None for b in shards.values()):
+        return None
+    if None in shards:  # the whole (merged) weight in one tensor
+        full = shards[None]
+        if isinstance(module, RowLinear):
+            try:
+                return full.columns(*module.input_range)
+            except ValueError as e:  # this rank's input columns split a block
+                logger.info("%s stays float: %s", type(module).__name__, e)
+                return None
+        take = getattr(module.weight, "tp_take", None)
+        if take is None:
+            return full
+        return QuantBlocks(full.kind, take(full.u), take(full.d), take(full.m))
+    if isinstance(module, QKVLinear):
+        order = ["q", "k", "v"]
+        parts = [shards[s].rows(slice(*module._rows[s][1])) for s in order if s in shards]
+    elif isinstance(module, MergedColumnLinear):
+        order = list(range(len(module.output_rows)))
+        parts = [shards[i].rows(slice(*module.output_rows[i])) for i in order if i in shards]
+    else:
+        return None
+    if len(parts) != len(order):
+        return None
+    kinds = {p.kind for p in parts}
+    if len(kinds) != 1:
+        logger.info("%s stays float: its shards are %s", type(module).__name__, sorted(kinds))
+        return None
+    return QuantBlocks.cat(parts)
+
+
+def _meta_like(param: nn.Parameter) -> nn.Parameter:
+    return nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"), False)
+
+
+def quantize_model(model: nn.Module, method: str) -> int:
+    """Replace the float weights of `model`'s linear layers and LM head by quantized ones:
+    `gguf` from the blocks their loaders recorded, `int8` / `int4` by quantizing the float
+    weights. Returns how many weights were quantized."""
+    from srt.layers.linear import LinearBase
+    from srt.layers.vocab_embedding import LMHead, VocabEmbedding
+
+    kernel = quant_linear_kernel()
+    if method == "none" or kernel is None:
+        return 0
+    kinds: Counter[str] = Counter()
+    tied_embeddings: dict[int, QuantizedWeight] = {}
+    for module in model.modules():
+        if not isinstance(module, (LinearBase, LMHead)):
+            continue
+        weight = module.weight
+        if weight.device.type != "cpu" or weight.dim() != 2 or weight.shape[1] % QK:
+            continue
+        if method == "gguf":
+            owner = module
+            if isinstance(module, LMHead) and module.tied:
+                owner = _embedding_of(model, weight)
+            shards = getattr(owner, "_quant_shards", None) if owner is not None else None
+            if not shards:
+                continue
+            if isinstance(module, LMHead):
+                blocks = shards.get(None)
+                if blocks is None:
+                    continue
+                blocks = _vocab_rows(blocks, module)
+            else:
+                blocks = _rank_blocks(module, shards)
+            if blocks is None:
+                continue
+        else:
+            blocks = quantize_blocks(weight.detach(), method)
+        quantized = QuantizedWeight.pack(blocks, kernel, module.bias)
+        module.quant = quantized
+        kinds[blocks.kind] += 1
+        if isinstance(module, LMHead) and module.tied:
+            tied_embeddings[id(weight)] = quantized
+        module.weight = _meta_like(weight)
+    for module in model.modules():
+        if isinstance(module, VocabEmbedding) and id(module.weight) in tied_embeddings:
+            module.quant = tied_embeddings[id(module.weight)]
+            module.weight = _meta_like(module.weight)
+        module.__dict__.pop("_quant_shards", None)
+    if kinds:
+        summary = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
+        logger.info("Quantized weights: %s (%s)", summary, method)
+    return sum(kinds.values())
+
+
+def weight_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of the model's weights by how they are held: `quantized` (the kernel's panels),
+    and each float dtype of the parameters still held (a tied table counted once)."""
+    sizes: Counter[str] = Counter()
+    seen: set[int] = set()
+    for module in model.modules():
+        quant = getattr(module, "quant", None)
+        if quant is not None and id(quant) not in seen:
+            seen.add(id(quant))
+            sizes["quantized"] += quant.panels.nbytes
+    for param in model.parameters():
+        if param.device.type != "meta":
+            sizes[str(param.dtype).removeprefix("torch.")] += param.numel() * param.element_size()
+    return dict(sizes)
+
+
+def _embedding_of(model: nn.Module, weight: nn.Parameter) -> nn.Module | None:
+    from srt.layers.vocab_embedding import VocabEmbedding
+
+    for module in model.modules():
+        if isinstance(module, VocabEmbedding) and module.weight is weight:
+            return module
+    return None
+
+
+def _vocab_rows(blocks: QuantBlocks, head: nn.Module) -> QuantBlocks:
+    """The LM head's rows of a full-vocabulary weight (this rank's, zero-padded)."""
+    layout = head.layout
+    part = blocks.rows(slice(layout.start, layout.end))
+    pad = layout.rows - (layout.end - layout.start)
+    if pad == 0:
+        return part
+    k = blocks.shape[1]
+    zeros = QuantBlocks(
+        part.kind,
+        torch.zeros(pad, k, dtype=torch.uint8),
+        torch.zeros(pad, k // QK, dtype=torch.float16),
+        torch.zeros(pad, k // QK, dtype=torch.float16),
+    )
+    return QuantBlocks.cat([part, zeros])
