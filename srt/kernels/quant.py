@@ -92,9 +92,8 @@ def from_gguf(kind: str, raw: torch.Tensor, n: int, k: int) -> QuantBlocks:
     blocks = raw.reshape(n, k // QK, size)
     d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
     if kind == "Q8_0":
-        q = blocks[..., 2:].contiguous().view(torch.int8)
-        u = (q.to(torch.int16) + 128).to(torch.uint8)
-        return QuantBlocks(kind, u.reshape(n, k), d, d * -128)
+        u = blocks[..., 2:].contiguous().view(n, k) ^ 128  # q + 128, as a byte
+        return QuantBlocks(kind, u, d, d * -128)
     if kind == "Q4_1":
         m = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1)
         qs = blocks[..., 4:]
@@ -102,8 +101,10 @@ def from_gguf(kind: str, raw: torch.Tensor, n: int, k: int) -> QuantBlocks:
         m = d * -8
         qs = blocks[..., 2:]
     # byte j of a block holds weight j (low nibble) and weight j + 16 (high nibble)
-    u = torch.cat([qs & 15, qs >> 4], dim=-1)
-    return QuantBlocks(kind, u.reshape(n, k).contiguous(), d.contiguous(), m.contiguous())
+    u = torch.empty(n, k // QK, 2, 16, dtype=torch.uint8)
+    torch.bitwise_and(qs, 15, out=u[:, :, 0])
+    torch.bitwise_right_shift(qs, 4, out=u[:, :, 1])
+    return QuantBlocks(kind, u.view(n, k), d, m.contiguous())
 
 
 def quantize(weight: torch.Tensor, kind: str) -> QuantBlocks:
@@ -187,18 +188,23 @@ class QuantLinearKernel:
         m = torch.zeros_like(d)
         d[:n], m[:n] = weight.d, weight.m
         u = u.view(panels, p, blocks, QK).permute(0, 2, 1, 3)  # [panels, blocks, P, 32]
+        data_bytes = p * QK * weight.bits // 8
+        out = torch.empty(panels, blocks, 4 * p + data_bytes, dtype=torch.uint8)
+        for i, t in enumerate((d, m)):
+            scales = out[..., 2 * p * i : 2 * p * (i + 1)].view(torch.float16)
+            scales.copy_(t.view(panels, p, blocks).permute(0, 2, 1))
+        data = out[..., 4 * p :]
         if weight.bits == 4:
             lo = u[..., :16].reshape(panels, blocks, p, 4, 4)
             hi = u[..., 16:].reshape(panels, blocks, p, 4, 4)
-            data = (lo | (hi << 4)).permute(0, 1, 3, 2, 4)  # [.., h, P, 4]
+            packed = data.view(panels, blocks, 4, p, 4)  # [.., h, P, 4]
+            torch.bitwise_left_shift(hi, 4, out=packed.permute(0, 1, 3, 2, 4))
+            packed.permute(0, 1, 3, 2, 4).bitwise_or_(lo)
         else:
-            data = u.reshape(panels, blocks, p, 8, 4).permute(0, 1, 3, 2, 4)  # [.., g, P, 4]
-        scales = [
-            t.view(panels, p, blocks).permute(0, 2, 1).contiguous().view(torch.uint8)
-            for t in (d, m)
-        ]
-        data = data.reshape(panels, blocks, -1)
-        return torch.cat([*scales, data], dim=-1).contiguous()
+            data.view(panels, blocks, 8, p, 4).copy_(
+                u.reshape(panels, blocks, p, 8, 4).permute(0, 1, 3, 2, 4)
+            )
+        return out
 
     def __call__(
         self,

@@ -151,7 +151,7 @@ def quantize_model(model: nn.Module, method: str) -> int:
     if method == "none" or kernel is None:
         return 0
     kinds: Counter[str] = Counter()
-    tied_embeddings: dict[int, QuantizedWeight] = {}
+    tied_embeddings: dict[int, nn.Module] = {}  # the float table's id -> its LM head
     for module in model.modules():
         if not isinstance(module, (LinearBase, LMHead)):
             continue
@@ -179,13 +179,13 @@ def quantize_model(model: nn.Module, method: str) -> int:
         quantized = QuantizedWeight.pack(blocks, kernel, module.bias)
         module.quant = quantized
         kinds[blocks.kind] += 1
-        if isinstance(module, LMHead) and module.tied:
-            tied_embeddings[id(weight)] = quantized
         module.weight = _meta_like(weight)
+        if isinstance(module, LMHead) and module.tied:
+            tied_embeddings[id(weight)] = module
     for module in model.modules():
         if isinstance(module, VocabEmbedding) and id(module.weight) in tied_embeddings:
-            module.quant = tied_embeddings[id(module.weight)]
-            module.weight = _meta_like(module.weight)
+            head = tied_embeddings[id(module.weight)]
+            module.quant, module.weight = head.quant, head.weight  # still one (meta) table
         module.__dict__.pop("_quant_shards", None)
     if kinds:
         summary = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))

@@ -130,7 +130,7 @@ def get_model(
             source = gguf_source(model_config.model_path)
             if source is None:
                 raise ValueError("--quantization gguf needs a model converted from a .gguf file")
-            weights = attach_gguf_blocks(weights, source)
+            weights = attach_gguf_blocks(weights, source, Path(model_config.model_path))
         if embedding:
             model.load_weights(weights, need_lm_head=False)
         else:
