@@ -36,6 +36,8 @@ DEATH_EXIT_DEADLINE_S = 8.0
 # later only if it did not.
 HEARTBEAT_KILL_GRACE_S = 5.0
 HEARTBEAT_CHECK_S = 1.0
+# Seconds an idle HTTP connection stays open (see `serve`: longer than clients pool them).
+KEEP_ALIVE_S = 75
 
 
 class DrainingServer(uvicorn.Server):
@@ -111,7 +113,10 @@ def serve(server_args: ServerArgs) -> int:
         host=server_args.host,
         port=server_args.port,
         log_level=server_args.log_level,
-        timeout_keep_alive=5,
+        # Longer than the idle time clients keep pooled connections (aiohttp 15 s, httpx 5 s):
+        # a server that closes first races the client's next request on that connection,
+        # which then fails with a reset (a POST is not retried).
+        timeout_keep_alive=KEEP_ALIVE_S,
         timeout_graceful_shutdown=3,
         access_log=server_args.log_level == "debug",
     )

@@ -266,3 +266,29 @@ def test_server_info_shows_the_resolved_device_defaults(url: str) -> None:
     server = requests.get(url + "/get_server_info", timeout=30).json()
     assert server["max_prefill_tokens"] == args.prefill_token_budget()
     assert server["disable_overlap_schedule"] is (not args.overlap_schedule())
+
+
+def test_an_idle_keep_alive_connection_outlives_client_pools(tiny_server) -> None:
+    """A connection left idle longer than uvicorn's default keep-alive (5 s) still takes the
+    next request: clients pool idle connections for longer (aiohttp 15 s), and a server that
+    closed first would reset the request they send on it (seen in `bench/soak.py` runs)."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    from srt.entrypoints.serve import KEEP_ALIVE_S
+
+    assert KEEP_ALIVE_S > 15
+    where = urlsplit(tiny_server.url)
+    conn = http.client.HTTPConnection(where.hostname, where.port, timeout=30)
+    try:
+        conn.request("GET", "/health")
+        assert conn.getresponse().read() is not None
+        local = conn.sock.getsockname()
+        time.sleep(6)
+        conn.request("GET", "/health")
+        response = conn.getresponse()
+        response.read()
+        assert response.status == 200
+        assert conn.sock.getsockname() == local  # the same connection, not a new one
+    finally:
+        conn.close()
