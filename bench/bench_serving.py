@@ -110,7 +110,10 @@ async def benchmark(
     """Send `rows` with Poisson arrivals at `request_rate`, at most `max_concurrency` at once."""
     api = BACKENDS[backend]
     url = base_url.rstrip("/") + api.path
-    connector = aiohttp.TCPConnector(limit=0)  # concurrency is ours to limit, not the pool's
+    # Concurrency is ours to limit, not the pool's. Idle connections are dropped after 2 s,
+    # before any server would (uvicorn's and llama-server's default is 5 s): a request sent
+    # into a server's close of a pooled connection fails, and is not retried.
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2)
     session_args = {"timeout": REQUEST_TIMEOUT, "read_bufsize": READ_BUFSIZE}
     async with aiohttp.ClientSession(connector=connector, **session_args) as session:
         if warmup_requests > 0 and rows:

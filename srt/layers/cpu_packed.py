@@ -35,6 +35,7 @@ import logging
 import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -261,8 +262,10 @@ def prepack_cpu_weights(model: nn.Module) -> int:
     return len(packed)
 
 
-def panels_onto_huge_pages(packed: list[PackedWeight]) -> None:
-    """Move the panels, back to back, into one anonymous mapping advised for transparent huge
+def panels_onto_huge_pages(packed: list[Any]) -> None:
+    """Move the panels of `packed` (each a `PackedWeight` or a
+    `quantization.QuantizedWeight`: anything with a `panels` tensor), back to back, into one
+    anonymous mapping advised for transparent huge
     pages (`MADV_HUGEPAGE`; Linux's default THP policy, `madvise`, gives them to such mappings
     only) and starting on a 2 MiB boundary. The panels' views keep the mapping alive.
 

@@ -29,6 +29,7 @@ from torch import nn
 
 from srt.kernels.quant import BITS, QK, QuantBlocks, QuantLinearKernel, quant_linear_kernel
 from srt.kernels.quant import quantize as quantize_blocks
+from srt.layers.cpu_packed import panels_onto_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -190,6 +191,9 @@ def quantize_model(model: nn.Module, method: str) -> int:
     if kinds:
         summary = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
         logger.info("Quantized weights: %s (%s)", summary, method)
+    # Every decode step streams them all, as it does the float panels (the reason is there).
+    held = {id(m.quant): m.quant for m in model.modules() if getattr(m, "quant", None)}
+    panels_onto_huge_pages(list(held.values()))
     return sum(kinds.values())
 
 
