@@ -71,7 +71,9 @@ def test_logits_equal_hf_prefill_and_decode(arch: str, tmp_path) -> None:
         for token in tokens[:-1]:
             batch = builder.build([(0, [token])])
             got.append(model(batch.input_ids, batch.positions, batch))
-    torch.testing.assert_close(torch.cat(got), expected, rtol=1e-4, atol=1e-4)
+    # float32 sums in another order than HF's (and MKL's order differs between CPUs): the
+    # windowed Qwen2's last decode step was 1.1e-4 off on an AVX-512 Xeon, 1 logit of 36352.
+    torch.testing.assert_close(torch.cat(got), expected, rtol=1e-4, atol=2e-4)
 
 
 @pytest.mark.parametrize(
