@@ -48,6 +48,8 @@ def record_blocks(module: nn.Module, shard_id: object, loaded_weight: torch.Tens
     whole weight), for `quantize_model`; a float shard drops what was kept (the layer stays
     float)."""
     blocks = attached_blocks(loaded_weight)
+    if blocks is None and "_quant_shards" not in module.__dict__:
+        return  # a float layer so far (a missing shard also keeps it float: `_rank_blocks`)
     shards: dict[object, QuantBlocks | None] = module.__dict__.setdefault("_quant_shards", {})
     shards[shard_id] = blocks
 
