@@ -47,8 +47,9 @@ class DecodeStepArgs(ctypes.Structure):
 
 def decode_layer_error(status: int, layer: int) -> Exception:
     """The exception for a non-zero status of `decode_layer` at layer `layer`."""
-    if status == 1:
-        return MemoryError(f"fused decode layer {layer}: attention scratch allocation failed")
+    if status in (1, 3):
+        which = "attention" if status == 1 else "quantized matmul"
+        return MemoryError(f"fused decode layer {layer}: {which} scratch allocation failed")
     return IndexError(
         f"fused decode layer {layer}: a position outside the RoPE cache or an attention head "
         "shape the kernel has no case for"

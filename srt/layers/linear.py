@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from srt.distributed import HeadLayout, TPGroup, balanced_range
+from srt.kernels.quant import QuantBlocks
 from srt.layers.cpu_packed import PackedWeight, apply_linear
 from srt.layers.quantization import QuantizedWeight, record_blocks
 from srt.layers.weight_utils import (
@@ -99,7 +100,13 @@ class LinearBase(nn.Module):
             raise ValueError(f"{type(self).__name__} has no shards (got {shard_id!r})")
         default_weight_loader(param, loaded_weight)
         if param is self.weight:
-            record_blocks(self, None, loaded_weight)
+            record_blocks(self, None, 0, loaded_weight, self._rank_blocks)
+
+    def _rank_blocks(self, blocks: QuantBlocks) -> QuantBlocks:
+        """This rank's part of a whole checkpoint weight's blocks, cut as `take_full` cuts
+        the tensor (every cut of a column-parallel or replicated layer is of rows)."""
+        take = getattr(self.weight, "tp_take", None)
+        return blocks if take is None else blocks.map_rows(take)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x)
@@ -141,6 +148,9 @@ class RowLinear(LinearBase):
         start, end = self.input_range
         return full.narrow(1, start, end - start)
 
+    def _rank_blocks(self, blocks: QuantBlocks) -> QuantBlocks:
+        return blocks.columns(*self.input_range)  # a ValueError where a block is split
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return self.linear(x)
@@ -175,7 +185,7 @@ class MergedColumnLinear(LinearBase):
         if shard_id is None:  # an already merged checkpoint tensor
             default_weight_loader(param, loaded_weight)
             if param is self.weight:
-                record_blocks(self, None, loaded_weight)
+                record_blocks(self, None, 0, loaded_weight, self._rank_blocks)
             return
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard id must be 0..{len(self.output_sizes) - 1}, got {shard_id!r}")
@@ -186,7 +196,8 @@ class MergedColumnLinear(LinearBase):
         offset = sum(self.output_sizes[:shard_id])
         copy_into_shard(param, rows, offset, self.output_sizes[shard_id], name)
         if param is self.weight:
-            record_blocks(self, shard_id, loaded_weight)
+            cut = slice(*self.output_rows[shard_id])
+            record_blocks(self, shard_id, offset, loaded_weight, lambda b: b.rows(cut))
 
 
 class QKVLinear(LinearBase):
@@ -240,7 +251,7 @@ class QKVLinear(LinearBase):
         if shard_id is None:
             default_weight_loader(param, loaded_weight)
             if param is self.weight:
-                record_blocks(self, None, loaded_weight)
+                record_blocks(self, None, 0, loaded_weight, self._rank_blocks)
             return
         name = str(shard_id)
         offset, size = self.shard_range(name)
@@ -249,7 +260,7 @@ class QKVLinear(LinearBase):
             param, _narrow_rows(loaded_weight, full_rows, rows, name), offset, size, name
         )
         if param is self.weight:
-            record_blocks(self, name, loaded_weight)
+            record_blocks(self, name, offset, loaded_weight, lambda b: b.rows(slice(*rows)))
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

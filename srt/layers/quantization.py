@@ -8,10 +8,10 @@ rows up in the head's panels, so the table is held once, quantized.
 
 Loading: `srt.model_loader.gguf_quant` hands each GGUF-backed checkpoint tensor to the model's
 `load_weights` as usual (the float values, exact) with its blocks attached
-(`QUANT_BLOCKS_ATTR`); the loaders of the layers that can run quantized record the blocks per
-shard (`record_blocks`), every other loader just copies the floats. `quantize_model` then
-cuts each recorded weight to this rank's part (rows for column-parallel layers, blocks of
-columns for row-parallel ones), packs it, and replaces the dense parameter with a meta
+(`QUANT_BLOCKS_ATTR`); the loaders of the layers that can run quantized cut the blocks as
+they cut the tensor (this rank's rows, or its blocks of columns for a row-parallel layer) and
+record them per shard (`record_blocks`), every other loader just copies the floats.
+`quantize_model` then stacks each layer's recorded shards, packs them, and replaces the dense parameter with a meta
 tensor of the same shape and dtype: the float copy is gone, and any path that would still
 read it fails loudly instead of computing with stale values. A layer whose shards are not
 all quantized alike (a Q4_K_M file mixes types), or whose cut does not fall on blocks of 32,
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,15 +44,43 @@ def attached_blocks(loaded_weight: torch.Tensor) -> QuantBlocks | None:
     return getattr(loaded_weight, QUANT_BLOCKS_ATTR, None)
 
 
-def record_blocks(module: nn.Module, shard_id: object, loaded_weight: torch.Tensor) -> None:
-    """Keep the blocks `loaded_weight` carries for shard `shard_id` of `module` (None: the
-    whole weight), for `quantize_model`; a float shard drops what was kept (the layer stays
-    float)."""
+def record_blocks(
+    module: nn.Module,
+    shard_id: object,
+    offset: int,
+    loaded_weight: torch.Tensor,
+    cut: Callable[[QuantBlocks], QuantBlocks],
+) -> None:
+    """Keep this rank's part of the blocks `loaded_weight` carries (`cut`: the same cut the
+    loader made of the tensor) as shard `shard_id` (None: the whole weight) of `module`'s
+    weight, at row `offset`, for `quantize_model`. A float shard, or a cut that splits a block
+    of 32, is kept as None: the layer stays float."""
     blocks = attached_blocks(loaded_weight)
-    if blocks is None and "_quant_shards" not in module.__dict__:
-        return  # a float layer so far (a missing shard also keeps it float: `_rank_blocks`)
-    shards: dict[object, QuantBlocks | None] = module.__dict__.setdefault("_quant_shards", {})
-    shards[shard_id] = blocks
+    if blocks is None and "_quant_parts" not in module.__dict__:
+        return  # a float layer so far
+    if blocks is not None:
+        try:
+            blocks = cut(blocks)
+        except ValueError as e:  # this rank's input columns split a block
+            logger.info("%s stays float: %s", type(module).__name__, e)
+            blocks = None
+    module.__dict__.setdefault("_quant_parts", {})[shard_id] = (offset, blocks)
+
+
+def recorded_blocks(module: nn.Module) -> QuantBlocks | None:
+    """The blocks `record_blocks` kept for `module`'s whole weight (this rank's rows), or
+    None where a shard is float or missing or the shards' types differ."""
+    parts = module.__dict__.get("_quant_parts")
+    if not parts or any(blocks is None for _, blocks in parts.values()):
+        return None
+    ordered = [blocks for _, blocks in sorted(parts.values(), key=lambda part: part[0])]
+    if sum(blocks.shape[0] for blocks in ordered) != module.weight.shape[0]:
+        return None  # a shard never came
+    try:
+        return QuantBlocks.cat(ordered)
+    except ValueError as e:  # a Q4_K_M file mixes types
+        logger.info("%s stays float: %s", type(module).__name__, e)
+        return None
 
 
 @dataclass(eq=False)
@@ -83,7 +112,7 @@ class QuantizedWeight:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W, dequantized (float32): an embedding lookup."""
-        return self.kernel.gather_rows(self.panels, self.bits, self.shape, ids)
+        return self.kernel.gather_rows(self.panels, self.bits, self.shape[1], ids)
 
 
 def resolve_quantization(choice: str, is_gguf: bool, device: str) -> str:
@@ -101,42 +130,6 @@ def resolve_quantization(choice: str, is_gguf: bool, device: str) -> str:
     if choice != "none" and quant_linear_kernel() is None:
         raise ValueError(f"--quantization {choice}: the quantized CPU kernel could not be built")
     return choice
-
-
-def _rank_blocks(module: nn.Module, shards: dict[object, QuantBlocks | None]) -> QuantBlocks | None:
-    """This rank's part of a layer's recorded blocks, or None (logged) where the layer must
-    stay float."""
-    from srt.layers.linear import MergedColumnLinear, QKVLinear, RowLinear
-
-    if any(b is None for b in shards.values()):
-        return None
-    if None in shards:  # the whole (merged) weight in one tensor
-        full = shards[None]
-        if isinstance(module, RowLinear):
-            try:
-                return full.columns(*module.input_range)
-            except ValueError as e:  # this rank's input columns split a block
-                logger.info("%s stays float: %s", type(module).__name__, e)
-                return None
-        take = getattr(module.weight, "tp_take", None)
-        if take is None:
-            return full
-        return QuantBlocks(full.kind, take(full.u), take(full.d), take(full.m))
-    if isinstance(module, QKVLinear):
-        order = ["q", "k", "v"]
-        parts = [shards[s].rows(slice(*module._rows[s][1])) for s in order if s in shards]
-    elif isinstance(module, MergedColumnLinear):
-        order = list(range(len(module.output_rows)))
-        parts = [shards[i].rows(slice(*module.output_rows[i])) for i in order if i in shards]
-    else:
-        return None
-    if len(parts) != len(order):
-        return None
-    kinds = {p.kind for p in parts}
-    if len(kinds) != 1:
-        logger.info("%s stays float: its shards are %s", type(module).__name__, sorted(kinds))
-        return None
-    return QuantBlocks.cat(parts)
 
 
 def _meta_like(param: nn.Parameter) -> nn.Parameter:
@@ -164,17 +157,8 @@ def quantize_model(model: nn.Module, method: str) -> int:
         if method == "gguf":
             owner = module
             if isinstance(module, LMHead) and module.tied:
-                owner = _embedding_of(model, weight)
-            shards = getattr(owner, "_quant_shards", None) if owner is not None else None
-            if not shards:
-                continue
-            if isinstance(module, LMHead):
-                blocks = shards.get(None)
-                if blocks is None:
-                    continue
-                blocks = _vocab_rows(blocks, module)
-            else:
-                blocks = _rank_blocks(module, shards)
+                owner = _embedding_of(model, weight)  # same rows: `LMHead.tie_to`
+            blocks = None if owner is None else recorded_blocks(owner)
             if blocks is None:
                 continue
         else:
@@ -189,7 +173,7 @@ def quantize_model(model: nn.Module, method: str) -> int:
         if isinstance(module, VocabEmbedding) and id(module.weight) in tied_embeddings:
             head = tied_embeddings[id(module.weight)]
             module.quant, module.weight = head.quant, head.weight  # still one (meta) table
-        module.__dict__.pop("_quant_shards", None)
+        module.__dict__.pop("_quant_parts", None)
     if kinds:
         summary = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
         logger.info("Quantized weights: %s (%s)", summary, method)
@@ -222,20 +206,3 @@ def _embedding_of(model: nn.Module, weight: nn.Parameter) -> nn.Module | None:
         if isinstance(module, VocabEmbedding) and module.weight is weight:
             return module
     return None
-
-
-def _vocab_rows(blocks: QuantBlocks, head: nn.Module) -> QuantBlocks:
-    """The LM head's rows of a full-vocabulary weight (this rank's, zero-padded)."""
-    layout = head.layout
-    part = blocks.rows(slice(layout.start, layout.end))
-    pad = layout.rows - (layout.end - layout.start)
-    if pad == 0:
-        return part
-    k = blocks.shape[1]
-    zeros = QuantBlocks(
-        part.kind,
-        torch.zeros(pad, k, dtype=torch.uint8),
-        torch.zeros(pad, k // QK, dtype=torch.float16),
-        torch.zeros(pad, k // QK, dtype=torch.float16),
-    )
-    return QuantBlocks.cat([part, zeros])

@@ -38,7 +38,7 @@ def _shard_vocab(
     def load(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         default_weight_loader(param, loaded_weight)
         if param.dim() == 2:
-            record_blocks(owner, None, loaded_weight)
+            record_blocks(owner, None, 0, loaded_weight, lambda b: b.map_rows(take))
 
     set_weight_loader(param, load)
 

@@ -76,8 +76,8 @@ static int linear(const DecodeLayer *L, const void *x, int64_t K, const void *w,
 /* x [rows, hidden] (overwritten), residual [rows, hidden] or NULL for the first layer (then
  * x becomes the residual), out [rows, hidden]. Returns 0; 2 for a position outside the RoPE
  * cache (nothing is written to the pool), a head shape the attention kernel has no case for,
- * or a bfloat16 matmul this build cannot run; 1 when the attention's scratch could not be
- * allocated. In bfloat16 the values are rounded where the modules round them: q is widened
+ * a bfloat16 matmul this build cannot run, or a quantized K off its blocks; 1 when the
+ * attention's scratch could not be allocated, 3 when a quantized matmul's could not. In bfloat16 the values are rounded where the modules round them: q is widened
  * to float32 for the attention kernel and its output rounded back. */
 int decode_layer(const DecodeLayer *L, const DecodeStep *S, void *x, void *residual,
                  void *out) {
@@ -96,8 +96,9 @@ int decode_layer(const DecodeLayer *L, const DecodeStep *S, void *x, void *resid
                      L->input_eps, threads);
         h = x;
     }
-    if (linear(L, h, hidden, L->qkv, L->qkv_bias, L->qkv_bits, B, n_qkv, S->qkv, threads) != 0)
-        return 2;
+    int status =
+        linear(L, h, hidden, L->qkv, L->qkv_bias, L->qkv_bits, B, n_qkv, S->qkv, threads);
+    if (status != 0) return status;
     char *qkv = S->qkv;
     if (rope_rows(qkv, n_qkv, L->q_heads, qkv + q_dim * elem, n_qkv, L->kv_heads, S->positions,
                   L->cos_sin, L->max_position, B, D, L->rot, L->neox, bf16, threads) != 0)
@@ -114,7 +115,7 @@ int decode_layer(const DecodeLayer *L, const DecodeStep *S, void *x, void *resid
         else
             memcpy(q, row, sizeof(float) * (size_t)q_dim);
     }
-    const int status = paged_decode_attention(
+    status = paged_decode_attention(
         S->q, L->k_cache, L->v_cache, bf16, L->slot_stride, S->req_to_token, S->r2t_stride,
         S->pool_rows, S->seq_lens, S->leaders, S->shared_lens, (int)B, (int)L->q_heads,
         (int)L->kv_heads, (int)D, L->scale,
@@ -126,16 +127,14 @@ int decode_layer(const DecodeLayer *L, const DecodeStep *S, void *x, void *resid
         for (int64_t i = 0; i < B * q_dim; i++) rounded[i] = bf16_round(S->attn[i]);
         attn = rounded;
     }
-    if (linear(L, attn, q_dim, L->o, L->o_bias, L->o_bits, B, hidden, S->o, threads) != 0)
-        return 2;
+    status = linear(L, attn, q_dim, L->o, L->o_bias, L->o_bits, B, hidden, S->o, threads);
+    if (status != 0) return status;
     rmsnorm_rows(S->o, hidden, residual, hidden, L->post_norm, S->o, hidden, B, hidden, bf16,
                  L->post_eps, threads);
-    if (linear(L, S->o, hidden, L->gate_up, L->gate_up_bias, L->gate_up_bits, B, 2 * L->inter,
-               S->gate_up, threads) != 0)
-        return 2;
+    status = linear(L, S->o, hidden, L->gate_up, L->gate_up_bias, L->gate_up_bits, B,
+                    2 * L->inter, S->gate_up, threads);
+    if (status != 0) return status;
     silu_and_mul_rows(S->gate_up, 2 * L->inter, S->act, L->inter, B, L->inter, bf16, threads);
     return linear(L, S->act, L->inter, L->down, L->down_bias, L->down_bits, B, hidden, out,
-                  threads) != 0
-               ? 2
-               : 0;
+                  threads);
 }

@@ -280,7 +280,7 @@ int quant_linear(const void *x, int64_t ldx, int x_bf16, const uint8_t *packed, 
 
 /* Rows `ids` [n] of a packed quantized W dequantized into out [n, K] float32: an embedding
  * table kept as the LM head's panels. */
-void quant_gather_rows(const uint8_t *packed, int bits, int N, int K, const int64_t *ids, int n,
+void quant_gather_rows(const uint8_t *packed, int bits, int K, const int64_t *ids, int n,
                        float *out, int num_threads) {
     const int64_t blocks = K / QK, bb = block_bytes(bits), panel_bytes = blocks * bb;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
@@ -307,5 +307,4 @@ void quant_gather_rows(const uint8_t *packed, int bits, int N, int K, const int6
             }
         }
     }
-    (void)N;
 }
