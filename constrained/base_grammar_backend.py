@@ -82,6 +82,15 @@ class BaseGrammarObject(ABC):
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token was accepted."""
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (speculative drafts are checked by
+        accepting them, then rolled back); a matcher that cannot gets no drafts."""
+        raise NotImplementedError
+
+    @property
+    def can_rollback(self) -> bool:
+        return type(self).rollback is not BaseGrammarObject.rollback
+
 
 class GrammarCache(OrderedDict[GrammarKey, "Future[Any]"]):
     """The `capacity` most recently used compile futures, by key (least recent first)."""

@@ -37,6 +37,9 @@ class XGrammarMatcher(BaseGrammarObject):
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
 
+    def rollback(self, num_tokens: int) -> None:
+        self.matcher.rollback(num_tokens)
+
 
 class XGrammarBackend(BaseGrammarBackend):
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:

@@ -255,6 +255,11 @@ class SchedulerState:
     tp_rank: int = 0
     grammar_cache_entries: int = 0  # compiled grammars kept (bounded by the cache's size)
     num_grammar_queue_reqs: int = 0  # requests waiting for their grammar to compile
+    # Speculative decoding (cumulative): tokens a request gains per verify step, draft
+    # tokens verified and accepted.
+    avg_spec_accept_length: float = 0.0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass

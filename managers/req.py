@@ -11,7 +11,8 @@ Lifecycle (who moves a request where):
 
 Parts: `kv` (a `KVSpan`: its row and which positions the tree owns; only `KVManager` changes
 it), `admission` (an `Admission`: priority, time limit, arrival and admission times),
-`logprobs` (a `LogprobState`, only when logprobs were asked for), `disagg` (a
+`logprobs` (a `LogprobState`, only when logprobs were asked for), `spec` (a `DraftState`,
+only when speculative decoding drafts for it), `disagg` (a
 `DisaggState`, only for a request of a prefill/decode pair), `embed` (an `EmbedState`, only on
 an embedding server: such a request runs its prompt and generates nothing), and the sampling state
 (`sampling_params`, `sampling_seed`, `grammar`). The rest is the token history and where the
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from constrained.base_grammar_backend import BaseGrammarObject
     from mem_cache.kv_manager import KVManager
     from srt.sampling.sampling_params import SamplingParams
+    from srt.speculative.proposers import DraftState
 
 TopLogprobs = list[tuple[float, int]]
 
@@ -162,6 +164,7 @@ class Req:
         )
         self.disagg = DisaggState(bootstrap) if bootstrap is not None else None
         self.embed = embed
+        self.spec: DraftState | None = None  # speculative decoding's state, once it drafts
         # The next extend: tokens up to `fill_ids` are computed, from the matched prefix on.
         self.fill_ids: list[int] = []
         self.is_chunked = False  # a chunk of the prompt is done, more chunks remain

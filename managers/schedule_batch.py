@@ -16,6 +16,7 @@ from constrained.base_grammar_backend import VocabMask
 from managers.req import Req
 from srt.model_executor.forward_batch import ForwardMode
 from srt.sampling.sampling_batch_info import SamplingBatchInfo
+from srt.speculative.verify import DraftVocabMask, draft_rows
 
 if TYPE_CHECKING:
     from constrained.base_grammar_backend import BaseGrammarBackend
@@ -116,6 +117,7 @@ class BatchLaunch:
     # Every row sampled its argmax with nothing applied first: no request of the batch
     # needs its latest token on the host to build the next batch (`Req.needs_sync`).
     argmax_only: bool = False
+    drafts: list[list[int]] | None = None  # TARGET_VERIFY: each request's draft
 
 
 @dataclass
@@ -129,6 +131,8 @@ class ScheduleBatch:
     seq_lens: list[int]
     input_ids: list[int]
     out_cache_loc: torch.Tensor
+    # TARGET_VERIFY: each request's draft, fed after its last token (speculative decoding).
+    drafts: list[list[int]] | None = None
 
     @classmethod
     def extend(cls, reqs: list[Req], out_cache_loc: torch.Tensor) -> ScheduleBatch:
@@ -151,6 +155,27 @@ class ScheduleBatch:
             seq_lens,
             [r.next_input_token() for r in reqs],
             out_cache_loc,
+        )
+
+    @classmethod
+    def verify(
+        cls, reqs: list[Req], drafts: list[list[int]], out_cache_loc: torch.Tensor
+    ) -> ScheduleBatch:
+        """Each request's last token and its draft, at the positions its KV span just grew
+        by (`KVManager.allocate_verify`)."""
+        seq_lens = [r.kv.allocated_len for r in reqs]
+        input_ids: list[int] = []
+        for req, draft in zip(reqs, drafts, strict=True):
+            input_ids.append(req.next_input_token())
+            input_ids.extend(draft)
+        return cls(
+            ForwardMode.TARGET_VERIFY,
+            reqs,
+            [s - 1 - len(d) for s, d in zip(seq_lens, drafts, strict=True)],
+            seq_lens,
+            input_ids,
+            out_cache_loc,
+            drafts,
         )
 
     @property
@@ -188,6 +213,7 @@ class ScheduleBatch:
             chunked=[r.is_chunked for r in self.reqs],
             retract_counts=[r.retract_count for r in self.reqs],
             placeholders=placeholders,
+            drafts=self.drafts,
         )
 
     # ---- snapshot for the worker ---------------------------------------------------
@@ -198,6 +224,8 @@ class ScheduleBatch:
         grammar_backend: BaseGrammarBackend | None = None,
         sampling_cache: SamplingCache | None = None,
     ) -> ModelWorkerBatch:
+        if self.drafts is not None:
+            return self._verify_worker_batch(vocab_size, eos_token_ids, grammar_backend)
         reqs = self.reqs
         extend = self.forward_mode.is_extend()
         logits_rows: list[int] | None = None
@@ -234,6 +262,55 @@ class ScheduleBatch:
             return_logprob=return_logprob,
             top_logprobs_nums=[r.logprobs.top_n if r.logprobs else 0 for r in reqs],
             input_logprob_specs=specs,
+        )
+
+    def _verify_worker_batch(
+        self,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        grammar_backend: BaseGrammarBackend | None,
+    ) -> ModelWorkerBatch:
+        """A verify step runs as an extend with logits at every new token; row j of a request
+        samples its output position n + j as if d_1..d_j were its output (`verify.py`)."""
+        assert self.drafts is not None
+        reqs, drafts = self.reqs, self.drafts
+        counts = [len(d) + 1 for d in drafts]
+        output_lens = [
+            p + 1 - len(r.origin_input_ids) + j
+            for r, p, c in zip(reqs, self.prefix_lens, counts, strict=True)
+            for j in range(c)
+        ]
+        row_reqs = [r for r, c in zip(reqs, counts, strict=True) for _ in range(c)]
+        return_logprob = any(r.logprobs is not None for r in reqs)
+        info = None
+        if return_logprob or not all(
+            r.samples_by_argmax(n) for r, n in zip(row_reqs, output_lens, strict=True)
+        ):
+            vocab_mask = None
+            if grammar_backend is not None and any(r.grammar for r in reqs):
+                vocab_mask = DraftVocabMask(grammar_backend, [r.grammar for r in reqs], drafts)
+            info = SamplingBatchInfo.from_reqs(
+                draft_rows(reqs, drafts),
+                vocab_size,
+                "cpu",
+                eos_token_ids=eos_token_ids,
+                output_lens=output_lens,
+                vocab_mask=vocab_mask,
+            )
+        return ModelWorkerBatch(
+            forward_mode=ForwardMode.EXTEND,
+            input_ids=self.input_ids,
+            prefix_lens=self.prefix_lens,
+            seq_lens=self.seq_lens,
+            req_pool_indices=[r.kv.row for r in reqs],
+            out_cache_loc=self.out_cache_loc,
+            logits_indices=list(range(len(self.input_ids))),
+            sample_indices=None,
+            sampling_info=info,
+            sample_positions=output_lens if info is not None else None,
+            return_logprob=return_logprob,
+            top_logprobs_nums=[r.logprobs.top_n if r.logprobs else 0 for r in row_reqs],
+            input_logprob_specs=[None] * len(reqs),
         )
 
     def _logits_rows(

@@ -216,6 +216,35 @@ class KVManager:
             span.allocated_len += 1
         return loc
 
+    def allocate_verify(self, spans: Sequence[KVSpan], counts: Sequence[int]) -> torch.Tensor:
+        """`counts[i]` slots per span, for positions allocated_len on: a verify step's last
+        token and drafts (`trim` gives back the rejected ones)."""
+        lens = [s.allocated_len for s in spans]
+        grown = [n + c for n, c in zip(lens, counts, strict=True)]
+        self._make_room(sum(counts) + len(spans) * (self.page_size - 1))
+        loc = self.allocator.alloc_extend(lens, grown, self._last_locs(spans, lens))
+        if loc is None:
+            raise OutOfKVError(f"cannot allocate {sum(counts)} KV slots for a verify step")
+        table = self.rows.host
+        offset = 0
+        for span, n, g in zip(spans, lens, grown, strict=True):
+            table[span.row, n:g] = loc[offset : offset + g - n].to(table.dtype)
+            offset += g - n
+            span.allocated_len = g
+        return loc
+
+    def trim(self, span: KVSpan, length: int) -> None:
+        """Shrink the span to its first `length` positions, freeing the slots past them (a
+        verify step's rejected drafts). With pages, a page that still holds a kept position
+        stays the span's; the next allocation continues in it."""
+        if length >= span.allocated_len:
+            return
+        assert length >= span.protected_len, "trim reaches into tree-owned positions"
+        first_free = -(-length // self.page_size) * self.page_size
+        if first_free < span.allocated_len:
+            self.allocator.free(self._row_slots(span, span.allocated_len)[first_free:])
+        span.allocated_len = length
+
     def preallocate(self, span: KVSpan, num_tokens: int, reserve: int) -> list[int] | None:
         """A row and `num_tokens` slots for KV another server will write (disaggregated
         decode), keeping `reserve` tokens for the running requests; None if they do not fit."""

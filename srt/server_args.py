@@ -269,6 +269,26 @@ class ServerArgs:
         "kernels on CUDA when installed (not reproducible per request)",
         _registry_names("srt.sampling.registry:SAMPLERS"),
     )
+    # Speculative decoding (drafts from the text itself; no draft model)
+    speculative_algorithm: str | None = _opt(
+        None,
+        "draft tokens and verify them in one forward: ngram (the last n tokens looked up in "
+        "the request's prompt and output) or suffix (its longest repeated suffix, or a match "
+        "in recently finished outputs); outputs are the same as without",
+        _registry_names("srt.speculative.proposers:PROPOSERS"),
+    )
+    speculative_num_draft_tokens: int = _opt(4, "most tokens a request drafts per step")
+    speculative_ngram_min_match_window_size: int = _opt(
+        2, "shortest match (tokens) a draft continues"
+    )
+    speculative_ngram_max_match_window_size: int = _opt(8, "ngram: longest n-gram looked up")
+    speculative_max_batch_size: int = _opt(
+        16, "no drafts when more requests run (the forward is bound by arithmetic then)"
+    )
+    speculative_max_batch_tokens: int = _opt(64, "most draft tokens in one verify step")
+    speculative_min_accept_rate: float = _opt(
+        0.2, "a request whose drafts are accepted less often pauses drafting (doubling pauses)"
+    )
     # Observability
     log_level: str = _opt("info", "logging level", ["debug", "info", "warning", "error"])
     enable_metrics: bool = _opt(False, "serve Prometheus metrics at /metrics")
@@ -290,12 +310,26 @@ class ServerArgs:
         self._check_parallelism()
         if self.is_embedding and self.disaggregation_mode != "null":
             raise ValueError("--is-embedding runs no decode: it cannot be one side of a PD pair")
+        if self.speculative_algorithm is not None:
+            self._check_speculative()
         if self.chunked_prefill_size is not None and self.chunked_prefill_size <= 0:
             self.chunked_prefill_size = -1
         if self.kv_events_config is not None:
             # A bad config fails here, at once, not after the model has loaded. (Only this
             # path imports the KV-events module: see the module docstring.)
             import_target("mem_cache.kv_events:KVEventsConfig").from_json(self.kv_events_config)
+
+    def _check_speculative(self) -> None:
+        if self.is_embedding:
+            raise ValueError("--speculative-algorithm: an embedding server decodes nothing")
+        if self.speculative_num_draft_tokens < 1:
+            raise ValueError("--speculative-num-draft-tokens must be >= 1")
+        lo = self.speculative_ngram_min_match_window_size
+        if not 1 <= lo <= self.speculative_ngram_max_match_window_size:
+            raise ValueError(
+                "need 1 <= --speculative-ngram-min-match-window-size <= "
+                "--speculative-ngram-max-match-window-size"
+            )
 
     def _check_parallelism(self) -> None:
         if self.tp_size < 1 or self.nnodes < 1:

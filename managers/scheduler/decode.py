@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from managers.scheduler.emitter import Emitter
     from managers.scheduler.queues import Queues
     from mem_cache.kv_manager import KVManager
+    from srt.speculative.controller import DraftController
 
 logger = logging.getLogger(__name__)
 
@@ -54,21 +55,39 @@ class NewTokenRatio:
 
 class DecodePlanner:
     def __init__(
-        self, queues: Queues, kv: KVManager, emitter: Emitter, conservativeness: float
+        self,
+        queues: Queues,
+        kv: KVManager,
+        emitter: Emitter,
+        conservativeness: float,
+        drafts: DraftController | None = None,
     ) -> None:
+        """`drafts`: speculative decoding's controller (None: decode one token a step)."""
         self.queues = queues
         self.kv = kv
         self.emitter = emitter
         self.ratio = NewTokenRatio(conservativeness)
+        self.drafts = drafts
         self.num_retracted_reqs = 0  # cumulative, reported in the server info
 
     def build(self, decay: bool = True) -> ScheduleBatch | None:
         """The decode batch of every running request, or None when nothing runs. A decode
-        step of its own decays the new-token ratio; decodes mixed into a prefill do not."""
+        step of its own decays the new-token ratio and may verify drafts (TARGET_VERIFY);
+        decodes mixed into a prefill do neither."""
         if not self.prepare_running():
             return None
         running = self.queues.running
-        batch = ScheduleBatch.decode(running, self.kv.allocate_decode([r.kv for r in running]))
+        drafts = None
+        if decay and self.drafts is not None:
+            # Draft slots come after every running request's next slot is sure.
+            spare = self.kv.available_tokens() - len(running) * self.kv.page_size
+            drafts = self.drafts.drafts(running, spare)
+        spans = [r.kv for r in running]
+        if drafts is not None:
+            counts = [len(d) + 1 for d in drafts]
+            batch = ScheduleBatch.verify(running, drafts, self.kv.allocate_verify(spans, counts))
+        else:
+            batch = ScheduleBatch.decode(running, self.kv.allocate_decode(spans))
         if decay:
             self.ratio.decay()
         return batch

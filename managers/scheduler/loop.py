@@ -75,6 +75,7 @@ from mem_cache.kv_event_publisher import KVEventStream
 from mem_cache.kv_manager import KVManager
 from mem_cache.registry import PREFIX_CACHES
 from srt.server_args import ServerArgs
+from srt.speculative import create_draft_controller
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +116,13 @@ class Scheduler:
             isolation=server_args.grammar_compile_isolation,
         )
         self.emitter = Emitter(output_sink, tokenizer, self.context_len)
+        self.drafts = create_draft_controller(server_args, self.context_len)
         self.decode = DecodePlanner(
-            self.queues, self.kv, self.emitter, server_args.schedule_conservativeness
+            self.queues,
+            self.kv,
+            self.emitter,
+            server_args.schedule_conservativeness,
+            self.drafts,
         )
         self.deadlines = Deadlines(server_args.waiting_timeout, server_args.running_timeout, clock)
         port = Port(self.queues, self.kv, self.emitter, self.deadlines)
@@ -130,6 +136,7 @@ class Scheduler:
             self.disagg.take_finished,
             server_args.decode_log_interval,
             pooling,
+            self.drafts,
         )
         self.prefill = PrefillPlanner(
             self.queues, self.kv, self.decode, self.output, server_args, self.deadlines
@@ -226,9 +233,10 @@ class Scheduler:
     def step_overlap(self, grammar_done: list[int] | None = None) -> bool:
         """Build and launch batch N+1, then process batch N while N+1 runs (module doc)."""
         pending = self.pending
-        if (
-            pending is not None
-            and not pending.argmax_only
+        if pending is not None and (
+            # Drafts continue the latest tokens; grammars and penalties read them too.
+            self.drafts is not None
+            or not pending.argmax_only
             and any(r.needs_sync() for r in pending.reqs if not r.finished())
         ):
             self._finish_pending()  # building needs their latest tokens on the host
@@ -237,6 +245,15 @@ class Scheduler:
         with record_function("scheduler"):
             batch = self.next_batch(grammar_done)
             self.queues.last_batch = batch
+            if batch is not None and batch.drafts is not None:
+                # A verify step's result decides what the next batch holds: run it through.
+                self.was_idle = False
+                result = self.worker.forward_batch_generation(self._worker_batch(batch))
+                self.output.forward_ct += 1
+                self.output.process(batch.launch_record(), result)
+                self.kv.release_rows(self.kv.take_held_rows())  # no forward is in flight
+                self.launched_last_step = False
+                return True
             if batch is not None:
                 self.was_idle = False
                 worker_batch = self._worker_batch(batch)
@@ -342,6 +359,9 @@ class Scheduler:
             tp_rank=self.tp_rank,
             grammar_cache_entries=self.grammar_backend.num_cached() if self.grammar_backend else 0,
             num_grammar_queue_reqs=len(self.intake.grammar_queue),
+            avg_spec_accept_length=self.output.spec.accept_length(),
+            spec_draft_tokens=self.output.spec.drafted,
+            spec_accepted_tokens=self.output.spec.accepted,
         )
 
 

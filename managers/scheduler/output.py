@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from managers.io_struct import finish_abort, finish_length, finish_matched
 from srt.layers.pooler import add_part, finish_vector
+from srt.speculative.verify import accepted_length
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -24,8 +25,30 @@ if TYPE_CHECKING:
     from managers.scheduler.queues import Queues
     from mem_cache.kv_manager import KVManager
     from srt.configs.pooling import PoolingConfig
+    from srt.speculative.controller import DraftController
 
 logger = logging.getLogger(__name__)
+
+
+class SpecStats:
+    """Speculative decoding so far: verify steps of a request, draft tokens, accepted ones,
+    and tokens produced (accepted + one per step)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.drafted = 0
+        self.accepted = 0
+        self.produced = 0
+
+    def add(self, drafted: int, accepted: int, produced: int) -> None:
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.produced += produced
+
+    def accept_length(self) -> float:
+        """Tokens a request gains per verify step (1.0: as many as decoding)."""
+        return self.produced / self.steps if self.steps else 0.0
 
 
 class IdleTracker:
@@ -70,11 +93,16 @@ class Output:
         take_finished: Callable[[Req], bool],
         decode_log_interval: int,
         pooling: PoolingConfig | None = None,
+        drafts: DraftController | None = None,
     ) -> None:
         """`take_finished(req)`: True where the disaggregation side keeps a finished request
         (a PD prefill request until its KV reached the decode server). `pooling`: an
-        embedding server's, whose forwards return pooling parts instead of samples."""
+        embedding server's, whose forwards return pooling parts instead of samples.
+        `drafts`: speculative decoding's controller, told what each verify step accepted."""
         self.pooling = pooling
+        self.drafts = drafts
+        self.spec = SpecStats()
+        self._spec_mark = (0, 0)  # SpecStats (steps, produced) at the last decode log line
         self.queues = queues
         self.kv = kv
         self.emitter = emitter
@@ -89,6 +117,9 @@ class Output:
 
     # ---- results -------------------------------------------------------------------
     def process(self, batch: BatchLaunch, result: GenerationBatchResult) -> None:
+        if batch.drafts is not None:
+            self.process_verify(batch, result)
+            return
         emit: list[Req] = []
         extend = batch.forward_mode.is_extend()
         for i, req in enumerate(batch.reqs):
@@ -114,11 +145,7 @@ class Output:
             if not req.finished():
                 self._append_token(req, result, i)
             if req.finished():
-                # A prefill-side request of a PD pair stays with the disaggregation side
-                # until its KV reached the decode server; any other is done here.
-                if not (req.output_ids and self.take_finished(req)):
-                    self.kv.cache_finished(req)
-                    emit.append(req)
+                self._finish(req, emit)
             elif req.stream or extend:
                 # Every request reports its first token (time to first token is measured
                 # for all); after that only streaming ones report per step.
@@ -130,6 +157,47 @@ class Output:
                 self.log_decode_stats()
         self.emitter.emit(emit)
 
+    def _finish(self, req: Req, emit: list[Req]) -> None:
+        # A prefill-side request of a PD pair stays with the disaggregation side until its KV
+        # reached the decode server; any other is done here.
+        if not (req.output_ids and self.take_finished(req)):
+            self.kv.cache_finished(req)
+            emit.append(req)
+        if self.drafts is not None:
+            self.drafts.proposer.on_finished(req.output_ids)
+
+    def process_verify(self, batch: BatchLaunch, result: GenerationBatchResult) -> None:
+        """A verify step: each request keeps its samples up to the first rejected draft
+        (`srt/speculative/verify.py`), appended one by one with their stop checks, and gives
+        back the KV slots of what it did not keep."""
+        assert batch.drafts is not None and self.drafts is not None
+        emit: list[Req] = []
+        row = 0
+        for req, draft in zip(batch.reqs, batch.drafts, strict=True):
+            first, row = row, row + len(draft) + 1
+            if req.finished():
+                continue  # failed or aborted since launch; its KV is released already
+            accepted = accepted_length(draft, result.next_token_ids[first:row])
+            before = len(req.output_ids)
+            for j in range(accepted + 1):
+                self._append_token(req, result, first + j)
+                if req.finished():
+                    break
+            # Only the positions of tokens now in the request keep their KV.
+            self.kv.trim(req.kv, req.seq_len() - 1)
+            if req.spec is not None:
+                self.drafts.observe(req.spec, len(draft), accepted)
+            self.spec.add(len(draft), accepted, len(req.output_ids) - before)
+            self.num_generated_tokens += len(req.output_ids) - before
+            self._decode_tokens_since_log += len(req.output_ids) - before
+            if req.finished():
+                self._finish(req, emit)
+            elif req.stream:
+                emit.append(req)
+        if self.forward_ct % self.decode_log_interval == 0:
+            self.log_decode_stats()
+        self.emitter.emit(emit)
+
     def _add_pooling_part(
         self, req: Req, result: GenerationBatchResult, i: int, prefix_len: int
     ) -> None:
@@ -137,7 +205,8 @@ class Output:
         req.embed.acc = add_part(self.pooling.method, req.embed.acc, result.pooled[i], prefix_len)
 
     def _append_token(self, req: Req, result: GenerationBatchResult, i: int) -> None:
-        """Append the sampled token (none for a prefill-only request), then check stops."""
+        """Append the token sampled by row i (none for a prefill-only request), then check
+        stops."""
         if req.sampling_params.max_new_tokens == 0:
             req.finished_reason = finish_length(0)
             if req.embed is not None:
@@ -209,13 +278,22 @@ class Output:
         now = time.perf_counter()
         throughput = self._decode_tokens_since_log / max(now - self._decode_tic, 1e-9)
         self._decode_tic, self._decode_tokens_since_log = now, 0
+        spec = ""
+        if self.drafts is not None:
+            steps, produced = (
+                self.spec.steps - self._spec_mark[0],
+                self.spec.produced - self._spec_mark[1],
+            )
+            self._spec_mark = (self.spec.steps, self.spec.produced)
+            spec = f", accept len: {produced / steps if steps else 0.0:.2f}"
         logger.info(
             "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
-            "gen throughput (token/s): %.2f, #queue-req: %d, worker idle: %.1f%%",
+            "gen throughput (token/s): %.2f, #queue-req: %d, worker idle: %.1f%%%s",
             len(self.queues.running),
             self.kv.used_tokens(),
             self.kv.token_usage(),
             throughput,
             len(self.queues.waiting),
             100 * self.idle_tracker.fraction_since_mark(),
+            spec,
         )

@@ -24,6 +24,9 @@ class ForwardMode(IntEnum):
     DECODE = 2  # one new token per request
     MIXED = 3  # extends and decodes together; decodes are extends of length 1
     IDLE = 4  # nothing to run
+    # Running requests' last tokens and their drafts (speculative decoding): the scheduler's
+    # name for a step the model runs as an EXTEND with logits at every new token.
+    TARGET_VERIFY = 5
 
     def is_extend(self) -> bool:
         """True when some request has more than one new token (EXTEND or MIXED)."""
@@ -34,6 +37,9 @@ class ForwardMode(IntEnum):
 
     def is_mixed(self) -> bool:
         return self == ForwardMode.MIXED
+
+    def is_verify(self) -> bool:
+        return self == ForwardMode.TARGET_VERIFY
 
     def is_idle(self) -> bool:
         return self == ForwardMode.IDLE
