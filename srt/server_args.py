@@ -281,7 +281,7 @@ class ServerArgs:
     speculative_ngram_min_match_window_size: int = _opt(
         2, "shortest match (tokens) a draft continues"
     )
-    speculative_ngram_max_match_window_size: int = _opt(8, "ngram: longest n-gram looked up")
+    speculative_ngram_max_match_window_size: int = _opt(5, "ngram: longest n-gram looked up")
     speculative_max_batch_size: int = _opt(
         16, "no drafts when more requests run (the forward is bound by arithmetic then)"
     )

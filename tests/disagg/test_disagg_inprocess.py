@@ -14,6 +14,7 @@ import pytest
 from disagg.base import KVPoll, slot_runs
 from managers.inprocess import InProcessDriver
 from srt.server_args import ServerArgs
+from tests.engine.draft_oracles import OracleProposer
 
 pytestmark = pytest.mark.slow
 
@@ -98,6 +99,21 @@ def test_disaggregated_equals_aggregated(
     # The prefill side keeps the prompts in its own radix cache: a repeat hits it.
     again = run_pair(prefill, decode, port, TEXTS[:1], rooms={0: 9999})
     assert again[0]["output_ids"] == reference[0]
+
+
+def test_speculation_on_the_decode_side_equals_aggregated(model: str, reference) -> None:
+    """Drafts are verified on the decode server, right from the KV the prefill sent."""
+    prefill, decode, port = pair(model, "loopback", overlap=False, speculative_algorithm="ngram")
+    # A random model's text gives prompt lookup little to draft: the drafts come from the
+    # known outputs instead (every third token wrong).
+    known = [decode.tokenizer.encode(t) + ref for t, ref in zip(TEXTS, reference, strict=True)]
+    decode.scheduler.drafts.proposer = OracleProposer(known, decode.scheduler.vocab_size)
+    outs = run_pair(prefill, decode, port, TEXTS)
+    assert [o["output_ids"] for o in outs] == reference
+    assert 0 < decode.scheduler.output.spec.accepted < decode.scheduler.output.spec.drafted
+    for d in (prefill, decode):
+        d.scheduler.check_memory()
+        assert d.scheduler.kv.token_usage() == 0
 
 
 def test_disaggregated_on_the_gpu_path_equals_aggregated(

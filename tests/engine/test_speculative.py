@@ -21,6 +21,7 @@ import torch
 from managers.inprocess import InProcessDriver
 from srt.server_args import ServerArgs
 from srt.speculative.proposers import DraftProposer, DraftState
+from tests.engine.draft_oracles import OracleProposer
 from tests.engine.shared_worker import release
 from tests.engine.tiny_models import VOCAB, save_tiny_model
 
@@ -29,25 +30,6 @@ pytestmark = pytest.mark.slow
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "qwen3-moe", "mixtral", "phi3"]
 NEW = 20
 POOL = 4096
-
-
-class OracleProposer(DraftProposer):
-    """A test double: drafts the continuation of a known sequence, every third token wrong."""
-
-    name = "oracle"
-
-    def __init__(self, known: list[list[int]]) -> None:
-        super().__init__(1, 1)
-        self.known = known
-
-    def propose(self, state: DraftState, tokens: list[int], k: int) -> list[int]:
-        for seq in self.known:
-            if seq[: len(tokens)] == tokens:
-                draft = seq[len(tokens) : len(tokens) + k]
-                return [
-                    t if (len(tokens) + j) % 3 else (t + 1) % VOCAB for j, t in enumerate(draft)
-                ]
-        return []
 
 
 def prompts(seed: int = 0) -> list[list[int]]:
@@ -183,6 +165,17 @@ def test_sampled_drafts_in_the_overlap_loop_and_the_suffix_proposer(llama: Tiny)
     with make_driver(llama, "suffix", speculative_ngram_min_match_window_size=1) as d:
         assert ids(d.generate(prompts(), GREEDY)) == greedy
         assert d.scheduler.output.spec.drafted > 0
+        check_idle(d)
+
+
+def test_parallel_samples_each_verify_their_own_drafts(llama: Tiny) -> None:
+    params = {**SAMPLED, "n": 3}
+    plain = ids(run(llama, False, params, prompts()[:2]))
+    assert len(plain) == 6 and plain[0] != plain[1]  # seeds seed, seed + 1, seed + 2
+    with make_driver(llama, "ngram") as d:
+        with_oracle(d, [p for p in prompts()[:2] for _ in range(3)], plain)
+        assert ids(d.generate(prompts()[:2], params)) == plain
+        assert d.scheduler.output.spec.accepted > 0
         check_idle(d)
 
 
