@@ -92,7 +92,10 @@ def plan_decode(
     pool_rows = tuple(forward_batch.req_pool_indices.tolist())
     lens = tuple(forward_batch.seq_lens_cpu)
     seq_lens = forward_batch.seq_lens
-    if previous is not None and previous.continues(pool_rows, lens):
+    # Rows sharing a request's KV (a speculative verify step: one row per draft position)
+    # hold drafts that may be rejected and overwritten: nothing of theirs is kept.
+    shares_rows = len(set(pool_rows)) < len(pool_rows)
+    if previous is not None and not shares_rows and previous.continues(pool_rows, lens):
         for bucket in previous.buckets:
             bucket.advance(seq_lens if bucket.rows is None else seq_lens[bucket.rows])
         return DecodePlan(previous.buckets, pool_rows, lens, staged=True)
@@ -117,7 +120,7 @@ def plan_decode(
             DecodeBucket(rows, bucket_pool_rows, bucket_lens, int(bucket_lens.max()), window)
         )
     headroom = sum(len(b.pool_rows) * (b.cap + STAGING_HEADROOM) for b in buckets)
-    staged = headroom * bytes_per_token <= STAGING_MAX_BYTES
+    staged = not shares_rows and headroom * bytes_per_token <= STAGING_MAX_BYTES
     for bucket in buckets:
         if staged:
             bucket.cap += STAGING_HEADROOM

@@ -102,6 +102,7 @@ def run(
         for rid in [r for r in live if driver.outputs[r]["meta_info"].get("finish_reason")]:
             outputs[live.pop(rid)] = driver.result(rid)["output_ids"]
     seconds = time.perf_counter() - start
+    driver.run_until_idle()  # one more step drops the finished requests from the batch
     ordered = [outputs[i] for i in range(len(prompts))]
     return seconds, sum(map(len, ordered)), ordered
 

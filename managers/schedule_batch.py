@@ -270,17 +270,22 @@ class ScheduleBatch:
         eos_token_ids: list[int],
         grammar_backend: BaseGrammarBackend | None,
     ) -> ModelWorkerBatch:
-        """A verify step runs as an extend with logits at every new token; row j of a request
-        samples its output position n + j as if d_1..d_j were its output (`verify.py`)."""
+        """A verify step runs as a decode step of one row per new token: row j of a request
+        reads the request's KV up to its own position, so it computes what a decode step
+        would once d_1..d_j were accepted, with the decode kernels (fused CPU layer, CUDA
+        graphs). Its KV and its draft's are all written before any row attends, layer by
+        layer, as for any decode batch. Row j samples output position n + j as if d_1..d_j
+        were output (`srt/speculative/verify.py`)."""
         assert self.drafts is not None
         reqs, drafts = self.reqs, self.drafts
         counts = [len(d) + 1 for d in drafts]
-        output_lens = [
-            p + 1 - len(r.origin_input_ids) + j
-            for r, p, c in zip(reqs, self.prefix_lens, counts, strict=True)
-            for j in range(c)
+        positions = [
+            p + j for p, c in zip(self.prefix_lens, counts, strict=True) for j in range(c)
         ]
         row_reqs = [r for r, c in zip(reqs, counts, strict=True) for _ in range(c)]
+        output_lens = [
+            pos + 1 - len(r.origin_input_ids) for r, pos in zip(row_reqs, positions, strict=True)
+        ]
         return_logprob = any(r.logprobs is not None for r in reqs)
         info = None
         if return_logprob or not all(
@@ -298,19 +303,18 @@ class ScheduleBatch:
                 vocab_mask=vocab_mask,
             )
         return ModelWorkerBatch(
-            forward_mode=ForwardMode.EXTEND,
+            forward_mode=ForwardMode.DECODE,
             input_ids=self.input_ids,
-            prefix_lens=self.prefix_lens,
-            seq_lens=self.seq_lens,
-            req_pool_indices=[r.kv.row for r in reqs],
+            prefix_lens=positions,
+            seq_lens=[pos + 1 for pos in positions],
+            req_pool_indices=[r.kv.row for r in row_reqs],
             out_cache_loc=self.out_cache_loc,
-            logits_indices=list(range(len(self.input_ids))),
+            logits_indices=None,
             sample_indices=None,
             sampling_info=info,
             sample_positions=output_lens if info is not None else None,
             return_logprob=return_logprob,
             top_logprobs_nums=[r.logprobs.top_n if r.logprobs else 0 for r in row_reqs],
-            input_logprob_specs=[None] * len(reqs),
         )
 
     def _logits_rows(

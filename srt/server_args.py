@@ -282,9 +282,7 @@ class ServerArgs:
         2, "shortest match (tokens) a draft continues"
     )
     speculative_ngram_max_match_window_size: int = _opt(5, "ngram: longest n-gram looked up")
-    speculative_max_batch_size: int = _opt(
-        16, "no drafts when more requests run (the forward is bound by arithmetic then)"
-    )
+    speculative_max_batch_size: int = _opt(32, "no drafts when more requests run")
     speculative_max_batch_tokens: int = _opt(64, "most draft tokens in one verify step")
     speculative_min_accept_rate: float = _opt(
         0.2, "a request whose drafts are accepted less often pauses drafting (doubling pauses)"

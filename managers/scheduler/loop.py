@@ -224,7 +224,9 @@ class Scheduler:
             worker_batch = self._worker_batch(batch)
         start = time.perf_counter()
         result = self.worker.forward_batch_generation(worker_batch)
-        self.output.idle_tracker.forward(start, time.perf_counter())
+        end = time.perf_counter()
+        self.output.idle_tracker.forward(start, end)
+        self._time_step(batch, worker_batch, end - start)
         self.output.forward_ct += 1
         with record_function("scheduler"):
             self.output.process(batch.launch_record(), result)
@@ -248,7 +250,10 @@ class Scheduler:
             if batch is not None and batch.drafts is not None:
                 # A verify step's result decides what the next batch holds: run it through.
                 self.was_idle = False
-                result = self.worker.forward_batch_generation(self._worker_batch(batch))
+                worker_batch = self._worker_batch(batch)
+                start = time.perf_counter()
+                result = self.worker.forward_batch_generation(worker_batch)
+                self._time_step(batch, worker_batch, time.perf_counter() - start)
                 self.output.forward_ct += 1
                 self.output.process(batch.launch_record(), result)
                 self.kv.release_rows(self.kv.take_held_rows())  # no forward is in flight
@@ -287,8 +292,15 @@ class Scheduler:
         self.kv.release_rows(self.pending_rows)
         self.pending_rows = []
         self.output.idle_tracker.record(done.wait_s, done.forward_s, launch.continuous)
+        if self.drafts is not None and launch.forward_mode.is_decode():
+            self.drafts.timed(len(launch.reqs), done.forward_s)
         with record_function("scheduler"):
             self.output.process(launch, done.result)
+
+    def _time_step(self, batch: ScheduleBatch, worker_batch: Any, seconds: float) -> None:
+        """Decode and verify steps' forward times feed the draft controller's cost fit."""
+        if self.drafts is not None and not batch.forward_mode.is_extend():
+            self.drafts.timed(len(worker_batch.input_ids), seconds)
 
     def next_batch(self, grammar_done: list[int] | None = None) -> ScheduleBatch | None:
         """Poll the intake queues; merge the last prefill into the running requests; then a

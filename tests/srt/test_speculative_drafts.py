@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from srt.speculative.controller import DraftController
+from srt.speculative.controller import EXPLORE_STEPS, DraftController, StepCost
 from srt.speculative.proposers import (
     DraftState,
     NgramProposer,
@@ -217,3 +217,47 @@ def test_full_acceptance_keeps_the_full_draft_length() -> None:
         [draft] = c.drafts([req], 100)
         assert len(draft) == 4
         c.observe(req.spec, 4, 4)
+
+
+def test_the_step_cost_fit_needs_steps_of_two_sizes() -> None:
+    cost = StepCost()
+    for _ in range(5):
+        cost.add(1, 0.006)
+    assert cost.fit() is None
+    for _ in range(5):
+        cost.add(5, 0.011)
+    a, b = cost.fit()
+    assert a == pytest.approx(0.00475) and b == pytest.approx(0.00125)
+
+
+def timed(c: DraftController, a: float, b: float) -> DraftController:
+    for rows in (1, 9) * 4:
+        c.timed(rows, a + b * rows)
+    return c
+
+
+def requests(n: int, accept_rate: float) -> list[SimpleNamespace]:
+    reqs = [fake_req(REPEATING) for _ in range(n)]
+    for r in reqs:
+        r.spec = DraftState(accept_rate=accept_rate)
+    return reqs
+
+
+def test_drafts_are_kept_only_while_they_raise_tokens_per_second() -> None:
+    # Rows are cheap next to the step (a forward bound by reading weights): every draft.
+    cheap = timed(controller(max_batch_size=32), a=0.020, b=0.0005)
+    assert [len(d) for d in cheap.drafts(requests(16, 0.9), 1000)] == [4] * 16
+    # Each row costs nearly a step of its own: drafts accepted half the time do not pay.
+    dear = timed(controller(max_batch_size=32), a=0.002, b=0.002)
+    assert dear.drafts(requests(16, 0.5), 1000) is None
+    # In between, the likeliest tokens first: each request's first draft token.
+    mid = timed(controller(max_batch_size=32), a=0.006, b=0.0012)
+    assert [len(d) for d in mid.drafts(requests(16, 0.9), 1000)] == [1] * 16
+
+
+def test_when_drafts_stopped_one_short_draft_is_tried_now_and_then() -> None:
+    c = timed(controller(max_batch_size=32), a=0.002, b=0.002)
+    reqs = requests(4, 0.5)
+    tries = [c.drafts(reqs, 1000) for _ in range(EXPLORE_STEPS + 1)]
+    assert all(t is None for t in tries[:-1])
+    assert tries[-1] == [[1]] * 4

@@ -197,12 +197,31 @@ static inline __attribute__((always_inline)) void qblock(const QuantRows *X, int
     }
 }
 
+/* The rows left after the blocks of RB, in one pass over the panel: a few rows (a decode
+ * batch, a speculative verify step) read the weights once, not once per pair of rows. Each
+ * case is its own constant R, so every one compiles to registers. */
+static void qtail(const QuantRows *X, int64_t m, const uint8_t *panel, int bits,
+                  const float *bias, int n, float *out, int64_t ldo, int rows) {
+    out += m * ldo;
+    switch (rows) {
+#if RB > 4
+    case 7: qblock(X, m, panel, bits, bias, n, out, ldo, 7); break;
+    case 6: qblock(X, m, panel, bits, bias, n, out, ldo, 6); break;
+    case 5: qblock(X, m, panel, bits, bias, n, out, ldo, 5); break;
+    case 4: qblock(X, m, panel, bits, bias, n, out, ldo, 4); break;
+#endif
+    case 3: qblock(X, m, panel, bits, bias, n, out, ldo, 3); break;
+    case 2: qblock(X, m, panel, bits, bias, n, out, ldo, 2); break;
+    case 1: qblock(X, m, panel, bits, bias, n, out, ldo, 1); break;
+    default: break;
+    }
+}
+
 static void qpanel_rows(const QuantRows *X, const uint8_t *panel, int bits, const float *bias,
                         int n, float *out, int64_t ldo, int rows) {
     int m = 0;
     for (; m + RB <= rows; m += RB) qblock(X, m, panel, bits, bias, n, out + m * ldo, ldo, RB);
-    for (; m + 2 <= rows; m += 2) qblock(X, m, panel, bits, bias, n, out + m * ldo, ldo, 2);
-    for (; m < rows; m++) qblock(X, m, panel, bits, bias, n, out + m * ldo, ldo, 1);
+    qtail(X, m, panel, bits, bias, n, out, ldo, rows - m);
 }
 
 /* Row `m` of x (float32, or bfloat16 with `x_bf16`) quantized per block into X. */
