@@ -135,7 +135,11 @@ def shared_prefixes(
     """Group a decode batch's requests by the KV slot of their first token, and give each group
     the longest prefix of slots all its members hold (the newest token, each request's own,
     excluded). Groups sharing fewer than `min_tokens` are left out; None when no group is left.
-    One call per decode step; every layer's kernel call reads the result."""
+    One call per decode step; every layer's kernel call reads the result.
+
+    Rows of one request only (a speculative verify step's, one per draft position) form no
+    group: each is then read as that request's own decode step reads it, in one pass, so a
+    verify row computes what the decode step would, to the bit."""
     batch = pool_rows.numel()
     if batch < 2:
         return None
@@ -149,6 +153,8 @@ def shared_prefixes(
     shared = torch.zeros(batch, dtype=torch.int64)
     for group in torch.nonzero(sizes >= 2).flatten().tolist():
         members = torch.nonzero(group_of == group).flatten()
+        if rows[members].unique().numel() < 2:
+            continue
         span = int(lens[members].min()) - 1
         if span < min_tokens:
             continue

@@ -25,7 +25,8 @@ class ForwardMode(IntEnum):
     MIXED = 3  # extends and decodes together; decodes are extends of length 1
     IDLE = 4  # nothing to run
     # Running requests' last tokens and their drafts (speculative decoding): the scheduler's
-    # name for a step the model runs as an EXTEND with logits at every new token.
+    # name for a step the model runs as a DECODE of one row per new token
+    # (`ScheduleBatch._verify_worker_batch`).
     TARGET_VERIFY = 5
 
     def is_extend(self) -> bool:

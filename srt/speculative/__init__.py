@@ -5,8 +5,9 @@ A decode step of the running requests becomes a verify step when some of them ha
     DecodePlanner.build ── DraftController.drafts (proposers.py: ngram / suffix automaton;
         │                   cut to what a request's grammar accepts)
         ├─ KVManager.allocate_verify: 1 + len(draft) slots per request
-        ├─ ScheduleBatch.verify (TARGET_VERIFY) → an extend with logits at every new token,
-        │   each row sampled as decoding would (verify.py: DraftRow, DraftVocabMask)
+        ├─ ScheduleBatch.verify (TARGET_VERIFY) → a decode step of one row per new token
+        │   (each reads the request's KV up to its own position), each row sampled as
+        │   decoding would (verify.py: DraftRow, DraftVocabMask)
         └─ Output.process_verify: keep samples up to the first rejected draft, append them
             with their stop checks, KVManager.trim the rest, DraftController.observe
 

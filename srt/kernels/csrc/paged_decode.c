@@ -20,8 +20,10 @@
  * each of its tokens' K and V rows (all KV heads) once for all H queries, in tiles of TILE
  * tokens with an online softmax (running max and sum, float32). Each tile's rows are first
  * brought into cache by a loop that does nothing else (touch_tile), then the scores and the
- * weighted V sum read them from there. Long sequences are split so that there are enough
- * items for every thread; the splits are merged at the end by their maxima and sums.
+ * weighted V sum read them from there. A request's own tokens are split into pieces of at
+ * most MIN_SPLIT_TOKENS, by their count alone, so long sequences give every thread work and
+ * a request sums in the same order whatever batch it is in; the splits are merged at the end
+ * by their maxima and sums.
  *
  * The work item (attend_range, attend_dispatch) is in decode_attend.h; this file plans the
  * batch: splits, shared prefixes, and the merge of a request's parts.
@@ -101,32 +103,36 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
 /* A request's first token of its own: past the shared prefix, or the window's first. */
 #define OWN_BEGIN(b) \
     (window > 0 && seq_lens[b] > window ? seq_lens[b] - window : SHARED(b))
-    int64_t max_own = 0, max_chunks = 0, shared_items = 0;
+/* A request's own tokens are split by their count alone, never by the batch around it, so
+ * its attention sums in the same order in any batch (a speculative verify step's rows give
+ * the decode step's result to the bit). */
+#define SPLITS(b) ((seq_lens[b] - OWN_BEGIN(b) + MIN_SPLIT_TOKENS - 1) / MIN_SPLIT_TOKENS > 1 \
+                       ? (seq_lens[b] - OWN_BEGIN(b) + MIN_SPLIT_TOKENS - 1) / MIN_SPLIT_TOKENS \
+                       : 1)
+    int64_t max_chunks = 0, shared_items = 0, max_splits = 1, own_items = 0;
     for (int b = 0; b < B; b++) {
-        const int64_t own = seq_lens[b] - OWN_BEGIN(b);
         const int64_t chunks = (SHARED(b) + SHARED_CHUNK - 1) / SHARED_CHUNK;
-        max_own = own > max_own ? own : max_own;
         max_chunks = chunks > max_chunks ? chunks : max_chunks;
+        max_splits = SPLITS(b) > max_splits ? SPLITS(b) : max_splits;
+        own_items += SPLITS(b);
         if (LEADER(b) == b) shared_items += chunks;
     }
-    /* Enough items to keep every thread busy, without splits shorter than MIN_SPLIT_TOKENS. */
-    int64_t items_wanted = 4 * (int64_t)num_threads;
-    int64_t splits = (items_wanted + B - 1) / B;
-    int64_t max_splits = (max_own + MIN_SPLIT_TOKENS - 1) / MIN_SPLIT_TOKENS;
-    if (splits > max_splits) splits = max_splits;
-    if (splits < 1) splits = 1;
     /* Request b's parts: its prefix chunks (parts [0, chunks)), then its own splits (parts
-     * [max_chunks, max_chunks + splits)). With one part in all, items write out directly. */
-    const int64_t parts_per_req = max_chunks + splits;
-    const int direct = parts_per_req == 1;
+     * [max_chunks, max_chunks + splits)). A request with one part in all writes out
+     * directly, whatever the rest of the batch does. */
+    const int64_t parts_per_req = max_chunks + max_splits;
+#define DIRECT(b) (SPLITS(b) == 1 && SHARED(b) == 0)
+    int direct = 1;
+    for (int b = 0; b < B; b++) direct &= DIRECT(b);
     const int64_t part_size = (int64_t)H * (D + 2);
     float *parts = NULL;
-    int64_t *members = NULL, *member_begin = NULL, *item_leader = NULL;
+    int64_t *members = NULL, *member_begin = NULL, *item_leader = NULL, *item_row = NULL;
     if (!direct) {
         parts = (float *)malloc(sizeof(float) * (size_t)(B * parts_per_req * part_size));
-        /* Members of each leader's group, contiguous (a counting sort by leader), and the
-         * leader and chunk of each shared item. */
-        members = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * B + 1 + shared_items + 1));
+        /* Members of each leader's group, contiguous (a counting sort by leader), the leader
+         * and chunk of each shared item, and the request and split of each own item. */
+        members = (int64_t *)malloc(
+            sizeof(int64_t) * (size_t)(2 * B + 1 + shared_items + 1 + own_items));
         if (parts == NULL || members == NULL) {
             free(parts);
             free(members);
@@ -134,6 +140,7 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
         }
         member_begin = members + B;
         item_leader = member_begin + B + 1;
+        item_row = item_leader + shared_items + 1;
         for (int b = 0; b <= B; b++) member_begin[b] = 0;
         for (int b = 0; b < B; b++)
             if (SHARED(b) > 0) member_begin[LEADER(b) + 1]++;
@@ -147,15 +154,23 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
             if (LEADER(b) == b && SHARED(b) > 0)
                 for (int64_t c = 0; c * SHARED_CHUNK < SHARED(b); c++)
                     item_leader[i++] = b * max_chunks + c;
-        /* A request's unused prefix-chunk parts saw no token. */
-        for (int b = 0; b < B; b++)
-            for (int64_t c = (SHARED(b) + SHARED_CHUNK - 1) / SHARED_CHUNK; c < max_chunks;
-                 c++) {
+        /* A request's unused parts (prefix chunks past its prefix, splits past its own) saw
+         * no token. */
+        for (int b = 0; b < B; b++) {
+            for (int64_t c = (SHARED(b) + SHARED_CHUNK - 1) / SHARED_CHUNK; c < max_chunks; c++) {
                 float *part = parts + (b * parts_per_req + c) * part_size;
                 for (int j = 0; j < H; j++) part[(int64_t)H * D + H + j] = 0.f;
             }
+            for (int64_t c = max_chunks + SPLITS(b); c < parts_per_req; c++) {
+                float *part = parts + (b * parts_per_req + c) * part_size;
+                for (int j = 0; j < H; j++) part[(int64_t)H * D + H + j] = 0.f;
+            }
+        }
+        i = 0;
+        for (int b = 0; b < B; b++)
+            for (int64_t k = 0; k < SPLITS(b); k++) item_row[i++] = b * max_splits + k;
     }
-    const int64_t num_items = shared_items + (int64_t)B * splits;
+    const int64_t num_items = shared_items + own_items;
 
     /* Shared items first: they are the longest (every member of a group). */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
@@ -177,14 +192,16 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
             }
             continue;
         }
-        const int64_t b = (item - shared_items) / splits, split = (item - shared_items) % splits;
-        const int64_t own_begin = OWN_BEGIN(b), n = seq_lens[b];
+        /* With every request direct, item i is request i's only split. */
+        const int64_t own_item = direct ? item * max_splits : item_row[item - shared_items];
+        const int64_t b = own_item / max_splits, split = own_item % max_splits;
+        const int64_t own_begin = OWN_BEGIN(b), n = seq_lens[b], splits = SPLITS(b);
         const int64_t chunk = (n - own_begin + splits - 1) / splits;
         const int64_t t_begin = own_begin + split * chunk;
         const int64_t t_end = t_begin + chunk < n ? t_begin + chunk : n;
         const int32_t *slots = req_to_token + pool_rows[b] * r2t_stride;
         const float *qb = q + b * H * D;
-        if (direct) {
+        if (DIRECT(b)) {
             float *acc = out + b * H * D;
             attend_dispatch(qb, k_cache, v_cache, kv_bf16, slot_stride, slots, t_begin, t_end,
                             Hkv, G, D, scale, softcap, acc, m, l);
@@ -204,13 +221,16 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
     if (!direct) {
 #pragma omp parallel for num_threads(num_threads)
         for (int b = 0; b < B; b++)
-            merge_parts(parts + b * parts_per_req * part_size, parts_per_req, part_size, H, D,
-                        out + (int64_t)b * H * D);
+            if (!DIRECT(b))
+                merge_parts(parts + b * parts_per_req * part_size, parts_per_req, part_size, H,
+                            D, out + (int64_t)b * H * D);
         free(parts);
         free(members);
     }
 #undef LEADER
 #undef SHARED
 #undef OWN_BEGIN
+#undef SPLITS
+#undef DIRECT
     return 0;
 }
