@@ -279,9 +279,7 @@ class ScheduleBatch:
         assert self.drafts is not None
         reqs, drafts = self.reqs, self.drafts
         counts = [len(d) + 1 for d in drafts]
-        positions = [
-            p + j for p, c in zip(self.prefix_lens, counts, strict=True) for j in range(c)
-        ]
+        positions = [p + j for p, c in zip(self.prefix_lens, counts, strict=True) for j in range(c)]
         row_reqs = [r for r, c in zip(reqs, counts, strict=True) for _ in range(c)]
         output_lens = [
             pos + 1 - len(r.origin_input_ids) for r, pos in zip(row_reqs, positions, strict=True)
