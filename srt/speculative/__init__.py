@@ -43,4 +43,5 @@ def create_draft_controller(server_args: ServerArgs, context_len: int) -> DraftC
         server_args.speculative_max_batch_tokens,
         server_args.speculative_min_accept_rate,
         context_len,
+        time_steps=server_args.tp_size == 1,
     )

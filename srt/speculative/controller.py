@@ -16,6 +16,8 @@ accepted. So:
   (many requests, or a CPU whose arithmetic is the limit) few or none do. Until both kinds of
   step have been timed every draft goes in, and when drafts stopped, one short draft per
   request is tried every `EXPLORE_STEPS` steps, so the fit follows the machine.
+  Under tensor parallelism the fit is off (each rank would time its own steps, and every
+  rank must draft the same tokens); the acceptance rule and the limits below still hold.
 - Past `max_batch_size` running requests nothing drafts; at most `max_batch_tokens` draft
   tokens go into one verify forward.
 - A draft never goes past what the request may still produce (`max_new_tokens`, the
@@ -74,7 +76,10 @@ class DraftController:
         max_batch_tokens: int,
         min_accept_rate: float,
         context_len: int,
+        time_steps: bool = True,
     ) -> None:
+        """`time_steps`: fit the step cost from this process's own timings. Off under
+        tensor parallelism: every rank must draft alike, and each would time its own."""
         self.proposer = proposer
         self.k = num_draft_tokens
         self.max_batch_size = max_batch_size
@@ -82,6 +87,7 @@ class DraftController:
         self.min_accept_rate = min_accept_rate
         self.context_len = context_len
         self.cost = StepCost()
+        self.time_steps = time_steps
         self._since_draft = 0  # steps since the last verify step
 
     def drafts(self, reqs: Sequence[Any], spare_tokens: int) -> list[list[int]] | None:
@@ -133,7 +139,8 @@ class DraftController:
 
     def timed(self, rows: int, seconds: float) -> None:
         """A decode or verify forward of `rows` rows took `seconds`."""
-        self.cost.add(rows, seconds)
+        if self.time_steps:
+            self.cost.add(rows, seconds)
 
     def _room(self, req: Any, state: DraftState) -> int:
         """The most tokens the request may draft now (0 during its cooldown)."""

@@ -97,3 +97,26 @@ def test_a_client_leaving_mid_stream_frees_its_drafts(servers: tuple[str, str]) 
     state = info(spec)
     assert state["num_running_reqs"] == 0 and state["token_usage"] == 0
     assert state["memory_integrity"]["ok"], state["memory_integrity"]
+
+
+def test_tensor_parallel_ranks_verify_the_same_drafts(
+    tmp_path_factory: pytest.TempPathFactory, tiny_served_model: str, servers: tuple[str, str]
+) -> None:
+    """Both ranks of a `--tp-size 2` server draft alike (else their batches would differ and
+    the step's collectives would not match): its outputs equal the plain server's."""
+    plain, _ = servers
+    log = Path(tmp_path_factory.mktemp("speculative-tp2")) / "server.log"
+    tp2 = start(
+        tiny_served_model, log,
+        "--tp-size", "2", "--speculative-algorithm", "ngram",
+        "--speculative-ngram-min-match-window-size", "1",
+    )  # fmt: skip
+    try:
+        sampled = {**PARAMS, "temperature": 0.8, "seed": 5}
+        for params in (PARAMS, sampled):
+            assert generate(tp2.url, params) == generate(plain, params)
+        state = info(tp2.url)
+        assert state["spec_draft_tokens"] > 0
+        assert state["memory_integrity"]["ok"], state["memory_integrity"]
+    finally:
+        assert tp2.stop() == 0, tp2.tail()
