@@ -82,14 +82,10 @@ class BaseGrammarObject(ABC):
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token was accepted."""
 
+    @abstractmethod
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens (speculative drafts are checked by
-        accepting them, then rolled back); a matcher that cannot gets no drafts."""
-        raise NotImplementedError
-
-    @property
-    def can_rollback(self) -> bool:
-        return type(self).rollback is not BaseGrammarObject.rollback
+        accepting them, then rolled back)."""
 
 
 class GrammarCache(OrderedDict[GrammarKey, "Future[Any]"]):

@@ -240,9 +240,7 @@ class ScheduleBatch:
         ]
         return_logprob = any(r.logprobs is not None for r in reqs)
         info = None
-        if return_logprob or not all(
-            r.samples_by_argmax(n) for r, n in zip(reqs, output_lens, strict=True)
-        ):
+        if needs_sampling_info(reqs, output_lens, return_logprob):
             info = sampling_cache.lookup(reqs) if sampling_cache is not None else None
             if info is None:
                 info = self._sampling_info(vocab_size, eos_token_ids, grammar_backend, output_lens)
@@ -286,9 +284,7 @@ class ScheduleBatch:
         ]
         return_logprob = any(r.logprobs is not None for r in reqs)
         info = None
-        if return_logprob or not all(
-            r.samples_by_argmax(n) for r, n in zip(row_reqs, output_lens, strict=True)
-        ):
+        if needs_sampling_info(row_reqs, output_lens, return_logprob):
             vocab_mask = None
             if grammar_backend is not None and any(r.grammar for r in reqs):
                 vocab_mask = DraftVocabMask(grammar_backend, [r.grammar for r in reqs], drafts)
@@ -361,6 +357,14 @@ class ScheduleBatch:
             output_lens=output_lens,
             vocab_mask=vocab_mask,
         )
+
+
+def needs_sampling_info(rows: list[Req], output_lens: list[int], return_logprob: bool) -> bool:
+    """Whether a batch needs sampling tensors: some row returns logprobs or samples other
+    than by the argmax of the raw logits."""
+    return return_logprob or not all(
+        r.samples_by_argmax(n) for r, n in zip(rows, output_lens, strict=True)
+    )
 
 
 def token_positions(prefix_lens: list[int], seq_lens: list[int]) -> np.ndarray:

@@ -109,8 +109,6 @@ class DraftController:
             budget -= len(draft)
             out.append(draft)
         out = self._worth_it(reqs, out)
-        for req, draft in zip(reqs, out, strict=True):
-            req.spec.last_draft = draft
         self._since_draft = 0 if any(out) else self._since_draft + 1
         return out if any(out) else None
 
@@ -147,8 +145,6 @@ class DraftController:
         if state.cooldown > 0:
             state.cooldown -= 1
             return 0
-        if req.grammar is not None and not req.grammar.can_rollback:
-            return 0
         p = req.sampling_params
         room = self.context_len - 1 - req.seq_len()
         if p.max_new_tokens is not None:
@@ -158,7 +154,6 @@ class DraftController:
 
     def observe(self, state: DraftState, drafted: int, accepted: int) -> None:
         """A verify step kept `accepted` of the request's `drafted` tokens."""
-        state.verify_steps += 1
         if not drafted:
             return
         state.drafted += drafted

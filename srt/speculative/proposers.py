@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from srt.speculative.suffix_automaton import SuffixAutomaton
@@ -39,10 +39,8 @@ class DraftState:
     accept_rate: float = 1.0  # moving average of accepted / drafted tokens
     cooldown: int = 0  # decode steps left without drafting
     backoff: int = 0  # the next cooldown's length
-    drafted: int = 0  # totals, for the request's meta info
+    drafted: int = 0  # the request's totals over its verify steps
     accepted: int = 0
-    verify_steps: int = 0
-    last_draft: list[int] = field(default_factory=list)
 
 
 class DraftProposer(ABC):

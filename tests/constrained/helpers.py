@@ -30,6 +30,9 @@ class AcceptAllMatcher(BaseGrammarObject):
     def is_terminated(self) -> bool:
         return False
 
+    def rollback(self, num_tokens: int) -> None:
+        pass
+
 
 def make_driver(**args: Any) -> InProcessDriver:
     args.setdefault("max_total_tokens", 32768)

@@ -66,6 +66,9 @@ class CountingMatcher(BaseGrammarObject):
     def is_terminated(self) -> bool:
         return self.accepted >= self.length
 
+    def rollback(self, num_tokens: int) -> None:
+        self.accepted -= num_tokens
+
 
 class ScriptedGrammarBackend:
     """Test double of a grammar backend. A spec "len-N" compiles to a matcher that ends after

@@ -120,7 +120,6 @@ class SequenceGrammar:
 
     def __init__(self, allowed: list[int]) -> None:
         self.allowed, self.pos = allowed, 0
-        self.can_rollback = True
 
     def accept_token(self, token: int) -> bool:
         if self.pos < len(self.allowed) and self.allowed[self.pos] == token:
