@@ -27,7 +27,9 @@ class Queues:
     last_batch: ScheduleBatch | None = None  # the batch launched last step
 
     def num_running(self) -> int:
-        return len(self.running) + (self.chunked is not None)
+        """Admitted and unfinished. A prefill still in flight counts: in the overlap loop its
+        requests join `running` only a step later, and a load report must not drop them."""
+        return sum(not r.finished() for r in self.in_flight())
 
     def holds_requests(self) -> bool:
         return bool(self.waiting or self.running or self.chunked or self.last_batch)

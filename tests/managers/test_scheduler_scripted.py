@@ -288,6 +288,21 @@ def test_not_idle_between_prefill_and_first_decode() -> None:
     assert driver.scheduler.is_idle()
 
 
+def test_load_counts_a_request_between_prefill_and_first_decode() -> None:
+    """/get_load and the stats count running requests: one whose prefill is in flight (not
+    yet merged into the running batch in the overlap loop) is running, not gone."""
+    driver = make_driver(max_running_requests=1)
+    driver.submit(prompts(1, 10, 10)[0], SamplingParams(max_new_tokens=8))
+    driver.submit(prompts(1, 10, 10, seed=1)[0], SamplingParams(max_new_tokens=8))
+    assert driver.step()  # the first prefill; the second request waits for a row
+    state = driver.scheduler.internal_state()
+    assert (state.num_running_reqs, state.num_queue_reqs) == (1, 1)
+    driver.run_until_idle()
+    state = driver.scheduler.internal_state()
+    assert (state.num_running_reqs, state.num_queue_reqs) == (0, 0)
+    assert_idle_and_clean(driver)
+
+
 def test_abort_reaches_a_request_that_just_prefilled() -> None:
     driver = make_driver()
     [rid] = driver.submit(prompts(1, 10, 10)[0], SamplingParams(max_new_tokens=50))
