@@ -44,9 +44,9 @@ def fp32_normal(default_worker: Any) -> Iterator[InProcessDriver]:
         yield d
 
 
-# A 260-token pool and a low reservation for future decode tokens: most of the six requests
-# of the retraction test are admitted at once, then outgrow the pool as their JSON gets
-# longer. One worker for both loops.
+# A 260-token pool and a low reservation for future decode tokens: the four requests of the
+# retraction test are admitted together, then outgrow the pool as their JSON gets longer
+# (each loop retracts twice). One worker for both loops.
 RETRACT_POOL = 260
 
 
@@ -138,7 +138,7 @@ def test_retracted_constrained_requests_stay_valid(small_pool_worker: Any, overl
     d = InProcessDriver(args, worker=small_pool_worker)
     schemas = [SCHEMAS[19], SCHEMAS[14]]  # the longest outputs: arrays of objects
     prompts, params = [], []
-    for i in range(6):
+    for i in range(4):
         desc, schema = schemas[i % 2]
         prompts.append(chat(d, f"Give me a JSON object describing {desc}."))
         params.append(
