@@ -46,10 +46,15 @@ def seeded_uniform(
     """
     # The row key is already fully mixed, so one finaliser round per token suffices; for a
     # fixed row it is a bijection of the token id (no two tokens share the 32-bit hash).
-    h = mix32(row_keys(seeds, positions).unsqueeze(1) ^ (token_ids & _MASK32))
-    # 23 random bits, centred in their cells: U in [2^-24, 1 - 2^-24], both ends exactly
-    # representable in float32. (With 24 bits the top value, 1 - 2^-25, rounds to 1.0, so
-    # E = -log U could be 0 and a zero-probability token would win argmax(p / E) as NaN.)
+    return open_unit_float(mix32(row_keys(seeds, positions).unsqueeze(1) ^ (token_ids & _MASK32)))
+
+
+def open_unit_float(h: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes (in int64) to float32 in the open interval (0, 1).
+
+    23 random bits, centred in their cells: U in [2^-24, 1 - 2^-24], both ends exactly
+    representable in float32. (With 24 bits the top value, 1 - 2^-25, rounds to 1.0, so
+    E = -log U could be 0 and a zero-probability token would win argmax(p / E) as NaN.)"""
     return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
