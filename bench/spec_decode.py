@@ -5,14 +5,17 @@ Workloads (both on the default model unless `--model-path`):
   exactly, changing 'five' to 'six'"): the answer quotes its prompt, as code edits, RAG
   answers and summaries quoting their sources do. 8 paragraphs x 4 changes = 32 prompts,
   greedy, up to 160 new tokens, stopping at EOS.
-- `w1`: W1's prompts (random ids, 64-512 tokens, 128 new tokens, ignore_eos, greedy), where
-  drafts rarely match: the controller must keep speculation from costing anything.
+- `w1`: W1's prompts (random ids, 64-512 tokens, 128 new tokens, ignore_eos, greedy). Nothing
+  in them is worth copying, but the default model falls into repeating itself on random ids,
+  so drafts are accepted here too.
+- `w1-sampled`: the same prompts sampled (temperature 1, seeded): the output rarely repeats,
+  drafts rarely match, and the controller must keep speculation from costing anything.
 
 Each (workload, concurrency) runs plain decoding and each `--algorithm`, alternating over
 `--repeats` rounds so that drift hits all alike; `--concurrency C` keeps C requests in flight
 (a new one starts when one finishes). Reported: output tokens/s, the ratio to plain, and the
-accept length (tokens a request gains per verify step). Outputs are compared too: greedy
-speculation must give plain decoding's tokens.
+accept length (tokens a request gains per verify step). Outputs are compared too: speculation
+must give plain decoding's tokens (seeded sampling draws the same tokens too).
 
     python -m bench.spec_decode --concurrency 1 16 --repeats 2 --out bench/results/spec.json
 """
@@ -175,11 +178,19 @@ def main() -> None:
     p.add_argument("--model-path", default=None)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default="auto")
-    p.add_argument("--workload", nargs="+", default=["copy", "w1"], choices=["copy", "w1"])
+    p.add_argument(
+        "--workload", nargs="+", default=["copy", "w1"], choices=["copy", "w1", "w1-sampled"]
+    )
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     p.add_argument("--algorithm", nargs="+", default=["ngram", "suffix"])
     p.add_argument("--num-draft-tokens", type=int, default=4)
     p.add_argument("--w1-prompts", type=int, default=32)
+    p.add_argument(
+        "--max-prompts", type=int, default=None, help="the first N prompts of each workload only"
+    )
+    p.add_argument(
+        "--max-new-tokens", type=int, default=None, help="instead of each workload's own"
+    )
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--out", default=None, help="write the results as JSON")
     p.add_argument(
@@ -213,12 +224,19 @@ def main() -> None:
             {"max_new_tokens": 128, "temperature": 0, "ignore_eos": True},
         ),
     }
+    workloads["w1-sampled"] = (
+        workloads["w1"][0],
+        {**workloads["w1"][1], "temperature": 1.0, "seed": 0},
+    )
     warm = driver(None)
     warm.generate([workloads["copy"][0][0]], {"max_new_tokens": 8})
     warm.scheduler.flush_cache()
     results = []
     for name in args.workload:
         prompts, params = workloads[name]
+        prompts = prompts[: args.max_prompts]
+        if args.max_new_tokens is not None:
+            params = {**params, "max_new_tokens": args.max_new_tokens}
         for concurrency in args.concurrency:
             rates: dict[str, list[float]] = {}
             accept: dict[str, float] = {}
@@ -247,11 +265,12 @@ def main() -> None:
                     "vs_off": round(rate / off, 3),
                     "accept_length": round(accept[label], 2) if label in accept else None,
                     "runs": [round(v, 2) for v in values],
+                    "same_tokens_as_off": same,
                 }
                 results.append(row)
                 print(json.dumps(row), flush=True)
             print(f"# {name} c={concurrency}: outputs equal to plain decoding: {same}")
-            if args.vllm_venv:
+            if args.vllm_venv and params["temperature"] == 0:  # the peer script is greedy
                 results += run_vllm(args, prompts, params, name, concurrency)
     if args.out:
         with open(args.out, "w") as f:
