@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from srt.server_args_checks import check_server_args
 from srt.utils.registry import import_target
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -301,50 +302,9 @@ class ServerArgs:
     )
 
     def __post_init__(self) -> None:
-        if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        if not self.watchdog_timeout > 0:
-            raise ValueError(f"watchdog_timeout must be > 0 s, got {self.watchdog_timeout}")
-        self._check_parallelism()
-        if self.is_embedding and self.disaggregation_mode != "null":
-            raise ValueError("--is-embedding runs no decode: it cannot be one side of a PD pair")
-        if self.speculative_algorithm is not None:
-            self._check_speculative()
+        check_server_args(self)
         if self.chunked_prefill_size is not None and self.chunked_prefill_size <= 0:
             self.chunked_prefill_size = -1
-        if self.kv_events_config is not None:
-            # A bad config fails here, at once, not after the model has loaded. (Only this
-            # path imports the KV-events module: see the module docstring.)
-            import_target("mem_cache.kv_events:KVEventsConfig").from_json(self.kv_events_config)
-
-    def _check_speculative(self) -> None:
-        if self.is_embedding:
-            raise ValueError("--speculative-algorithm: an embedding server decodes nothing")
-        if self.speculative_num_draft_tokens < 1:
-            raise ValueError("--speculative-num-draft-tokens must be >= 1")
-        lo = self.speculative_ngram_min_match_window_size
-        if not 1 <= lo <= self.speculative_ngram_max_match_window_size:
-            raise ValueError(
-                "need 1 <= --speculative-ngram-min-match-window-size <= "
-                "--speculative-ngram-max-match-window-size"
-            )
-
-    def _check_parallelism(self) -> None:
-        if self.tp_size < 1 or self.nnodes < 1:
-            raise ValueError(f"tp_size and nnodes must be >= 1, got {self.tp_size}, {self.nnodes}")
-        if self.tp_size % self.nnodes:
-            raise ValueError(f"tp_size {self.tp_size} must be a multiple of nnodes {self.nnodes}")
-        if not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
-        if self.nnodes > 1 and not self.dist_init_addr:
-            raise ValueError("--nnodes > 1 needs --dist-init-addr host:port (node 0's address)")
-        if not self.dist_timeout > 0:
-            raise ValueError(f"dist_timeout must be > 0 s, got {self.dist_timeout}")
-        if self.tp_size > 1 and self.disaggregation_mode != "null":
-            raise ValueError(
-                "PD disaggregation with --tp-size > 1 is not supported yet: the KV transfer "
-                "moves one pool, and each rank holds only its own KV heads"
-            )
 
     @property
     def chunk_size(self) -> int | None:
