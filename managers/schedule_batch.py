@@ -118,6 +118,7 @@ class BatchLaunch:
     # needs its latest token on the host to build the next batch (`Req.needs_sync`).
     argmax_only: bool = False
     drafts: list[list[int]] | None = None  # TARGET_VERIFY: each request's draft
+    built_at: float = 0.0  # perf_counter() when building it began: its step's cost ends later
 
 
 @dataclass

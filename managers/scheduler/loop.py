@@ -214,6 +214,7 @@ class Scheduler:
     def step_normal(self, grammar_done: list[int] | None = None) -> bool:
         """Build, run, process, in sequence."""
         with record_function("scheduler"):
+            built_at = time.perf_counter()
             batch = self.next_batch(grammar_done)
             self.queues.last_batch = batch
             if batch is None:
@@ -226,10 +227,10 @@ class Scheduler:
         result = self.worker.forward_batch_generation(worker_batch)
         end = time.perf_counter()
         self.output.idle_tracker.forward(start, end)
-        self._time_step(batch, worker_batch, end - start)
         self.output.forward_ct += 1
         with record_function("scheduler"):
             self.output.process(batch.launch_record(), result)
+        self._time_step(batch, worker_batch, time.perf_counter() - built_at)
         return True
 
     def step_overlap(self, grammar_done: list[int] | None = None) -> bool:
@@ -245,17 +246,17 @@ class Scheduler:
             self.kv.release_rows(self.kv.take_held_rows())
         launched: BatchLaunch | None = None
         with record_function("scheduler"):
+            built_at = time.perf_counter()
             batch = self.next_batch(grammar_done)
             self.queues.last_batch = batch
             if batch is not None and batch.drafts is not None:
                 # A verify step's result decides what the next batch holds: run it through.
                 self.was_idle = False
                 worker_batch = self._worker_batch(batch)
-                start = time.perf_counter()
                 result = self.worker.forward_batch_generation(worker_batch)
-                self._time_step(batch, worker_batch, time.perf_counter() - start)
                 self.output.forward_ct += 1
                 self.output.process(batch.launch_record(), result)
+                self._time_step(batch, worker_batch, time.perf_counter() - built_at)
                 self.kv.release_rows(self.kv.take_held_rows())  # no forward is in flight
                 self.launched_last_step = False
                 return True
@@ -264,6 +265,7 @@ class Scheduler:
                 worker_batch = self._worker_batch(batch)
                 placeholders = self.forward_worker.launch(worker_batch)
                 launched = batch.launch_record(placeholders)
+                launched.built_at = built_at
                 launched.argmax_only = worker_batch.sampling_info is None
                 launched.continuous = self.launched_last_step
                 self.output.forward_ct += 1
@@ -292,13 +294,16 @@ class Scheduler:
         self.kv.release_rows(self.pending_rows)
         self.pending_rows = []
         self.output.idle_tracker.record(done.wait_s, done.forward_s, launch.continuous)
-        if self.drafts is not None and launch.forward_mode.is_decode():
-            self.drafts.timed(len(launch.reqs), done.forward_s)
         with record_function("scheduler"):
             self.output.process(launch, done.result)
+        if self.drafts is not None and launch.forward_mode.is_decode():
+            # While drafts are on, building waits for this result: the step ran serially.
+            self.drafts.timed(len(launch.reqs), time.perf_counter() - launch.built_at)
 
     def _time_step(self, batch: ScheduleBatch, worker_batch: Any, seconds: float) -> None:
-        """Decode and verify steps' forward times feed the draft controller's cost fit."""
+        """Decode and verify steps' times, from building the batch to processing its result
+        (a verify step's drafting and per-row sampling and bookkeeping are its own cost, not
+        only its forward), feed the draft controller's cost fit."""
         if self.drafts is not None and not batch.forward_mode.is_extend():
             self.drafts.timed(len(worker_batch.input_ids), seconds)
 

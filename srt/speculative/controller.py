@@ -9,8 +9,9 @@ accepted. So:
   text drafts little (the proposers find no match) and stops soon after its first misses.
 - Per batch, draft tokens are kept only while they raise the expected tokens per second of
   the step (`StepCost`): a step of r rows takes about a + b r seconds, fitted online to the
-  decode and verify steps' own forward times, and the j-th draft token of a request that
-  accepts a share p of its drafts is worth p^j tokens. Keeping tokens in order of worth while
+  decode and verify steps' own times (building the batch, the forward, processing the result:
+  drafting, each row's sampling and the acceptance bookkeeping cost too), and the j-th draft
+  token of a request that accepts a share p of its drafts is worth p^j tokens. Keeping tokens in order of worth while
   worth > b x (tokens / seconds so far) maximises the ratio. Where rows are cheap (a forward
   bound by reading the weights) every good draft goes in; where each row costs its full share
   (many requests, or a CPU whose arithmetic is the limit) few or none do. Until both kinds of
@@ -41,8 +42,8 @@ MIN_ROW_SPREAD = 0.5  # variance of the timed row counts below which no slope is
 
 
 class StepCost:
-    """Seconds of a decode or verify forward of r rows, t(r) = a + b r: least squares over
-    the timed steps, older steps weighing less."""
+    """Seconds of a decode or verify step of r rows, t(r) = a + b r: least squares over the
+    timed steps, older steps weighing less."""
 
     def __init__(self) -> None:
         self.w = self.x = self.y = self.xx = self.xy = 0.0
@@ -136,7 +137,7 @@ class DraftController:
         return [d[:n] for d, n in zip(drafts, keep, strict=True)]
 
     def timed(self, rows: int, seconds: float) -> None:
-        """A decode or verify forward of `rows` rows took `seconds`."""
+        """A decode or verify step of `rows` rows took `seconds`, built to processed."""
         if self.time_steps:
             self.cost.add(rows, seconds)
 
