@@ -1,7 +1,7 @@
 """What load generators and routers send, against real servers: usage on every streamed chunk
 (`stream_options.continuous_usage_stats`, as guidellm, aiperf `--per-chunk-usage` and
 `vllm bench serve` ask for it), any `model` name (sglang-router's PD mode forwards "unknown"),
-`--served-model-name`, and a short guidellm run."""
+`--served-model-name`, and short guidellm and aiperf runs."""
 
 from __future__ import annotations
 
@@ -153,3 +153,31 @@ def test_guidellm_run(named_server: str, tiny_served_model: str, tmp_path: Path)
         body = json.loads(req["request_args"])["body"]
         assert body["stream_options"] == PER_CHUNK and body["model"] == "tiny-served"
         assert req["output_tokens"] == 8 and req["prompt_tokens"] > 0
+
+
+AIPERF = Path(__file__).resolve().parents[2] / ".venvs" / "aiperf" / "bin" / "aiperf"
+
+
+def test_aiperf_run(named_server: str, tiny_served_model: str, tmp_path: Path) -> None:
+    """aiperf's own client in its own environment (see tests/aiperf.txt): streamed chat with
+    usage on every chunk (`--per-chunk-usage`, which aiperf allows only with token counts
+    taken from the server's usage), 0 errors, every output as long as asked."""
+    if not AIPERF.exists():
+        pytest.skip(f"no aiperf environment at {AIPERF.parent.parent}")
+    out = tmp_path / "aiperf"
+    cmd = [
+        str(AIPERF), "profile", "--model", "tiny-served", "--url", named_server,
+        "--endpoint-type", "chat", "--streaming", "--per-chunk-usage",
+        "--use-server-token-count", "--tokenizer", tiny_served_model,
+        "--request-count", "4", "--concurrency", "2", "--isl", "16", "--osl", "8",
+        "--artifact-dir", str(out), "--ui-type", "none",
+    ]  # fmt: skip
+    run = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    summary = json.loads((out / "profile_export_aiperf.json").read_text())
+    assert summary["error_summary"] == [] and summary["was_cancelled"] is False, summary
+    assert summary["request_count"]["avg"] == 4
+    assert summary["output_sequence_length"]["min"] == summary["output_sequence_length"]["max"] == 8
+    payloads = [t["payloads"][0] for t in json.loads((out / "inputs.json").read_text())["data"]]
+    assert len(payloads) == 4
+    assert all(p["stream_options"] == PER_CHUNK and p["stream"] is True for p in payloads)
