@@ -260,8 +260,8 @@ class SchedulerServer:
         self.last_stats_load = load
         self.send_to_tokenizer.send_pyobj(
             SchedulerStats(
-                num_running_reqs=s.queues.num_running(),
-                num_queue_reqs=len(s.queues.waiting),
+                num_running_reqs=load[0],
+                num_queue_reqs=load[1],
                 token_usage=s.kv.token_usage(),
                 cache_hit_rate=out.last_cache_hit_rate,
                 gen_throughput=tokens / elapsed if elapsed > 0 else 0.0,

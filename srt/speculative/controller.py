@@ -11,12 +11,13 @@ accepted. So:
   the step (`StepCost`): a step of r rows takes about a + b r seconds, fitted online to the
   decode and verify steps' own times (building the batch, the forward, processing the result:
   drafting, each row's sampling and the acceptance bookkeeping cost too), and the j-th draft
-  token of a request that accepts a share p of its drafts is worth p^j tokens. Keeping tokens in order of worth while
-  worth > b x (tokens / seconds so far) maximises the ratio. Where rows are cheap (a forward
-  bound by reading the weights) every good draft goes in; where each row costs its full share
-  (many requests, or a CPU whose arithmetic is the limit) few or none do. Until both kinds of
-  step have been timed every draft goes in, and when drafts stopped, one short draft per
-  request is tried every `EXPLORE_STEPS` steps, so the fit follows the machine.
+  token of a request that accepts a share p of its drafts is worth p^j tokens. Keeping tokens
+  in order of worth while worth > b x (tokens / seconds so far) maximises the ratio. Where
+  rows are cheap (a forward bound by reading the weights) every good draft goes in; where each
+  row costs its full share (many requests, or a CPU whose arithmetic is the limit) few or none
+  do. Until both kinds of step have been timed every draft goes in, and when drafts stopped,
+  one short draft per request is tried every `EXPLORE_STEPS` steps, so the fit follows the
+  machine.
   Under tensor parallelism the fit is off (each rank would time its own steps, and every
   rank must draft the same tokens); the acceptance rule and the limits below still hold.
 - Past `max_batch_size` running requests nothing drafts; at most `max_batch_tokens` draft

@@ -49,6 +49,12 @@ int paged_decode_supports(int H, int Hkv, int D) {
 
 /* Merge the parts of one request into out[H][D]: weigh each by e^(m_s - M), then divide by
  * the weighed sum. A part is acc[H][D], m[H], l[H]; parts with l = 0 saw no token. */
+/* Pieces of at most MIN_SPLIT_TOKENS that `own` tokens are split into (at least one). */
+static inline int64_t own_splits(int64_t own) {
+    const int64_t n = (own + MIN_SPLIT_TOKENS - 1) / MIN_SPLIT_TOKENS;
+    return n > 1 ? n : 1;
+}
+
 static void merge_parts(const float *first, int64_t num_parts, int64_t part_size, int H, int D,
                         float *out) {
     for (int j = 0; j < H; j++) {
@@ -106,9 +112,7 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
 /* A request's own tokens are split by their count alone, never by the batch around it, so
  * its attention sums in the same order in any batch (a speculative verify step's rows give
  * the decode step's result to the bit). */
-#define SPLITS(b) ((seq_lens[b] - OWN_BEGIN(b) + MIN_SPLIT_TOKENS - 1) / MIN_SPLIT_TOKENS > 1 \
-                       ? (seq_lens[b] - OWN_BEGIN(b) + MIN_SPLIT_TOKENS - 1) / MIN_SPLIT_TOKENS \
-                       : 1)
+#define SPLITS(b) own_splits(seq_lens[b] - OWN_BEGIN(b))
     int64_t max_chunks = 0, shared_items = 0, max_splits = 1, own_items = 0;
     for (int b = 0; b < B; b++) {
         const int64_t chunks = (SHARED(b) + SHARED_CHUNK - 1) / SHARED_CHUNK;
