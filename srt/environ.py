@@ -10,7 +10,7 @@ RadixRT's own variables:
 
 | variable | default | read by |
 |---|---|---|
-| `RADIXRT_CACHE_DIR` | `~/.cache/radixrt` | compiled kernels, matmul plans, GGUF conversions |
+| `RADIXRT_CACHE_DIR` | `~/.cache/radixrt` | compiled kernels, matmul plans, GGUF conversions, config snapshots |
 | `RADIXRT_API_KEY` | unset | the key every route but `/health` requires (after `--api-key`) |
 | `RADIXRT_CPU_F32_MATMUL` | `auto` | float32 CPU matmuls: `auto`, `onednn`, `mkl`, `panels` |
 | `RADIXRT_CPU_BF16_MATMUL` | `auto` | bfloat16 CPU matmuls: `auto`, `dot`, `widen` |

@@ -26,7 +26,7 @@ _FALLBACK_CONTEXT_LEN = 2048
 @dataclass(frozen=True)
 class ModelConfig:
     model_path: str
-    hf_config: Any  # transformers.PretrainedConfig
+    hf_config: Any  # transformers.PretrainedConfig, or a ConfigSnapshot of one
     architectures: list[str]
     dtype: torch.dtype
     context_len: int
@@ -50,12 +50,11 @@ class ModelConfig:
         device: str = "cpu",
     ) -> ModelConfig:
         """Resolve ``model_path`` (None = default model, .gguf, or HF folder) and read it."""
-        from transformers import AutoConfig
-
+        from srt.configs.hf_config_cache import load_hf_config
         from srt.model_loader.sources import resolve_model_path
 
         folder = resolve_model_path(model_path, cache_dir)
-        hf_config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        hf_config = load_hf_config(folder, cache_dir)
         text = hf_config.get_text_config()
 
         config_dtype = to_torch_dtype(
