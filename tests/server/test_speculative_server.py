@@ -22,22 +22,26 @@ PROMPT = "one two three four five six seven eight nine ten " * 4
 PARAMS = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
 
 
-def start(model: str, log: Path, *extra: str) -> ServerProcess:
+def start(model: str, log: Path, *extra: str, wait: bool = True) -> ServerProcess:
     return ServerProcess(
         "--model-path", model, "--dtype", "float32", "--max-total-tokens", "4096", *extra,
-        log_path=log,
+        log_path=log, wait=wait,
     )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory, tiny_served_model: str) -> Iterator[tuple]:
     folder = Path(tmp_path_factory.mktemp("speculative"))
-    plain = start(tiny_served_model, folder / "plain.log")
+    # Started together: a start is mostly one process's imports, so two share the cores.
+    plain = start(tiny_served_model, folder / "plain.log", wait=False)
     spec = start(
         tiny_served_model,
         folder / "spec.log",
         "--speculative-algorithm", "ngram", "--speculative-ngram-min-match-window-size", "1",
+        wait=False,
     )  # fmt: skip
+    for srv in (plain, spec):
+        srv.wait_ready()
     yield plain.url, spec.url
     for srv in (plain, spec):
         assert srv.stop() == 0, srv.tail()
