@@ -2,7 +2,11 @@
 real server process for the HTTP tests (`RADIXRT_TEST_SERVER_EXTRA_ARGS` adds arguments to
 it, e.g. "--tp-size 2" to run the HTTP tests against a tensor-parallel server), one float32
 default-model worker and HF's default-model greedy tokens for the in-process comparisons, and
-a tiny served model for server tests that check plumbing rather than outputs."""
+a tiny served model for server tests that check plumbing rather than outputs.
+
+The test command runs two workers (`-n 2 --dist loadgroup`, pytest-xdist): every test is put
+in a group, and each group runs on one worker, so that a session fixture that starts a server
+or loads the default model is made once, not once per worker."""
 
 from __future__ import annotations
 
@@ -15,6 +19,12 @@ from typing import Any
 import pytest
 
 from srt import environ
+
+# Two test workers and the servers they start share two cores: an OpenMP thread that spins
+# while it waits holds a core another process needs (the suite ran in 11 min 40 s with
+# passive waits, docs/tests.md). Set before any test imports torch, so the workers and
+# every server process they start inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # One shared server (the default model in float32, its GGUF weights dequantized: HF's
 # reference model; metrics on) for every HTTP test. Its chat
@@ -150,10 +160,46 @@ def tiny_server(
     assert code == 0, f"tiny server exited with {code} on SIGTERM: {srv.tail()}"
 
 
+@pytest.fixture
+def short_tmp_path() -> Iterator[Path]:
+    """A new directory right under the system's temporary directory, for socket paths: they
+    must fit `sun_path` (107 bytes), which `tmp_path`, nested per test worker, can outgrow."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="rt-test-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# The session fixtures that are costly to make (a server start, the default model loaded and
+# prepacked, HF's reference outputs), by the worker group their tests share.
+_SHARED_FIXTURE_GROUPS = (
+    ("server", "default-server"),
+    ("default_worker", "default-model"),
+    ("default_hf_reference", "default-model"),
+    ("tiny_server", "tiny-server"),
+)
+
+
+def share_group(item: pytest.Item) -> str:
+    """The worker group of a test: that of the first costly session fixture it uses, else
+    its file (a module's fixtures are then made once)."""
+    names = getattr(item, "fixturenames", ())
+    for fixture, group in _SHARED_FIXTURE_GROUPS:
+        if fixture in names:
+            return group
+    return item.nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `gpu` need CUDA; skip them on machines without it."""
+    """Each test joins its worker group (`share_group`); tests marked `gpu` need CUDA and
+    are skipped on machines without it."""
     import torch
 
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(share_group(item)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

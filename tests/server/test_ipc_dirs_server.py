@@ -25,10 +25,9 @@ def ipc_entries(tmp: Path) -> list[Path]:
 
 
 def test_kill_9_leftovers_removed_at_next_start(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_served_model: str
+    tmp_path: Path, short_tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_served_model: str
 ) -> None:
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+    tmp = short_tmp_path
     monkeypatch.setenv("TMPDIR", str(tmp))  # the server's tempfile.gettempdir()
 
     small = (*SMALL, "--model-path", tiny_served_model)

@@ -21,10 +21,10 @@ def dead_pid() -> int:
     return proc.pid
 
 
-def test_socket_paths_live_in_a_private_directory(tmp_path: Path) -> None:
-    port_args = PortArgs.new(root=str(tmp_path))
+def test_socket_paths_live_in_a_private_directory(short_tmp_path: Path) -> None:
+    port_args = PortArgs.new(root=str(short_tmp_path))
     ipc_dir = Path(port_args.ipc_dir)
-    assert ipc_dir.parent == tmp_path
+    assert ipc_dir.parent == short_tmp_path
     assert ipc_dir.name.startswith(f"{IPC_DIR_PREFIX}{os.getpid()}-")
     assert stat.S_IMODE(ipc_dir.stat().st_mode) == 0o700
     paths = [Path(p) for p in port_args.paths()]
@@ -33,8 +33,8 @@ def test_socket_paths_live_in_a_private_directory(tmp_path: Path) -> None:
     port_args.cleanup()
 
 
-def test_cleanup_after_use_leaves_nothing(tmp_path: Path) -> None:
-    port_args = PortArgs.new(root=str(tmp_path))
+def test_cleanup_after_use_leaves_nothing(short_tmp_path: Path) -> None:
+    port_args = PortArgs.new(root=str(short_tmp_path))
     ctx = zmq.Context()
     endpoints = (port_args.tokenizer_ipc, port_args.scheduler_input_ipc, port_args.detokenizer_ipc)
     try:
@@ -47,7 +47,7 @@ def test_cleanup_after_use_leaves_nothing(tmp_path: Path) -> None:
     finally:
         ctx.destroy(linger=0)
         port_args.cleanup()
-    assert list(tmp_path.iterdir()) == []
+    assert list(short_tmp_path.iterdir()) == []
 
 
 def test_stale_directory_of_a_dead_server_is_removed_at_next_start(tmp_path: Path) -> None:
