@@ -182,24 +182,33 @@ _SHARED_FIXTURE_GROUPS = (
 )
 
 
-def share_group(item: pytest.Item) -> str:
-    """The worker group of a test: that of the first costly session fixture it uses, else
-    its file (a module's fixtures are then made once)."""
-    names = getattr(item, "fixturenames", ())
-    for fixture, group in _SHARED_FIXTURE_GROUPS:
-        if fixture in names:
-            return group
+def share_groups(items: list[pytest.Item]) -> dict[str, str]:
+    """The worker group of each test file: that of the first costly session fixture any of
+    its tests uses, else the file itself. A file stays whole, so its module fixtures (a
+    tensor-parallel server, say) are made once."""
+    used: dict[str, set[str]] = {}
+    for item in items:
+        used.setdefault(test_file(item), set()).update(getattr(item, "fixturenames", ()))
+    groups = {}
+    for file, names in used.items():
+        shared = [group for fixture, group in _SHARED_FIXTURE_GROUPS if fixture in names]
+        groups[file] = shared[0] if shared else file
+    return groups
+
+
+def test_file(item: pytest.Item) -> str:
     return item.nodeid.split("::", 1)[0]
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Each test joins its worker group (`share_group`); tests marked `gpu` need CUDA and
-    are skipped on machines without it."""
+    """Each test joins its file's worker group (`share_groups`); tests marked `gpu` need CUDA
+    and are skipped on machines without it."""
     import torch
 
+    groups = share_groups(items)
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(share_group(item)))
+        item.add_marker(pytest.mark.xdist_group(groups[test_file(item)]))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -5,8 +5,11 @@ Build: `gcc -O3 -fopenmp -shared` with `-march=native`, or `-march=x86-64-v3` wh
 library is cached under `cache_root()/kernels` (`RADIXRT_CACHE_DIR`, default
 `~/.cache/radixrt`), named by a hash of every csrc/ source and header, the flags, the compiler
 version and the CPU's flags, and written through a temporary file and a rename so concurrent
-processes never load a half-written file. A build takes a few seconds; later processes only
-load the file.
+processes never load a half-written file, and under a lock beside it, so that processes
+starting together (tensor-parallel ranks, test workers) compile each source once. The first
+kernel a process loads on a machine builds every missing one at once, one compiler per core:
+the six sources take about a minute of compiler time, most of it `decode_layer.c`. Later
+processes only load the files.
 
 `load` wraps a built library (ctypes) for one kernel family, or gives None where it cannot be
 built (no C compiler, a failed build, a non-x86 machine): the caller then keeps its torch
@@ -33,6 +36,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
@@ -68,37 +72,88 @@ def cpu_flags() -> str:
     return platform.processor()
 
 
+@dataclasses.dataclass(frozen=True)
+class _Build:
+    """How csrc/ sources compile here: the compiler, its flags, and what names a library."""
+
+    compiler: str
+    flags: tuple[str, ...]
+    fingerprint: str  # every source and header, the flags, the compiler version, the CPU
+
+    @classmethod
+    def here(cls) -> _Build:
+        compiler = shutil.which(environ.C_COMPILER.get()) or shutil.which("cc")
+        if compiler is None:
+            raise RuntimeError("no C compiler (gcc or cc) on PATH")
+        flags = (
+            "-O3",
+            _march(),
+            "-fopenmp",
+            "-fPIC",
+            "-shared",
+            "-std=gnu11",
+            "-ffp-contract=fast",
+        )
+        version = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, check=False
+        ).stdout
+        # Every source and header: a source may include others (decode_layer.c does).
+        sources = [f.read_text() for f in sorted(CSRC.glob("*.[ch]"))]
+        fingerprint = "\0".join([*sources, " ".join(flags), version, cpu_flags()])
+        return cls(compiler, flags, fingerprint)
+
+    def target(self, source: str) -> Path:
+        key = hashlib.sha256(f"{source}\0{self.fingerprint}".encode()).hexdigest()[:16]
+        return cache_dir() / f"{Path(source).stem}-{key}.so"
+
+    def compile(self, source: str) -> Path:
+        """The library of csrc/`source`, compiled unless there (by this or another process)."""
+        target = self.target(source)
+        if target.exists():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target.with_name(target.name + ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if target.exists():  # another process built it while this one waited
+                return target
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                built = Path(tmp) / target.name
+                cmd = [self.compiler, *self.flags, str(CSRC / source), "-o", str(built), "-lm"]
+                result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+                if result.returncode != 0:
+                    raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr.strip()}")
+                os.replace(built, target)
+        logger.info("Built CPU kernel %s", target)
+        return target
+
+
 def build_library(source: str) -> Path:
     """Compile csrc/`source` into a cached shared library; return its path.
 
     Raises RuntimeError naming the command and the compiler's output when the build fails.
     """
-    compiler = shutil.which(environ.C_COMPILER.get()) or shutil.which("cc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (gcc or cc) on PATH")
-    src = CSRC / source
-    flags = ["-O3", _march(), "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-ffp-contract=fast"]
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, check=False
-    ).stdout
-    # Every source and header: a source may include others (decode_layer.c does).
-    sources = [f.read_text() for f in sorted(CSRC.glob("*.[ch]"))]
-    key = hashlib.sha256(
-        "\0".join([src.name, *sources, " ".join(flags), version, cpu_flags()]).encode()
-    ).hexdigest()[:16]
-    target = cache_dir() / f"{src.stem}-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        cmd = [compiler, *flags, str(src), "-o", str(built), "-lm"]
-        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr.strip()}")
-        os.replace(built, target)
-    logger.info("Built CPU kernel %s", target)
-    return target
+    return _Build.here().compile(source)
+
+
+def build_with_the_rest(source: str) -> Path:
+    """`build_library(source)`, compiling every other missing source beside it, one compiler
+    per core (largest first): a process that needs one kernel soon needs the others, and
+    built one at a time they keep a core idle for most of a minute. Only `source`'s failure
+    is raised; another source's is raised when that source is loaded."""
+    how = _Build.here()
+    if how.target(source).exists():
+        return how.target(source)
+    rest = [
+        f.name
+        for f in sorted(CSRC.glob("*.c"), key=lambda f: -f.stat().st_size)
+        if f.name != source and not how.target(f.name).exists()
+    ]
+    workers = max(1, min(len(rest) + 1, len(os.sched_getaffinity(0))))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        wanted = pool.submit(how.compile, source)
+        for other in rest:
+            pool.submit(how.compile, other)  # errors surface at that source's own load
+        return wanted.result()
 
 
 def load(source: str, wrapper: Callable[[ctypes.CDLL], T], what: str) -> T | None:
@@ -107,7 +162,7 @@ def load(source: str, wrapper: Callable[[ctypes.CDLL], T], what: str) -> T | Non
         logger.info("%s: not built on %s; torch path", what, platform.machine())
         return None
     try:
-        return wrapper(ctypes.CDLL(str(build_library(source))))
+        return wrapper(ctypes.CDLL(str(build_with_the_rest(source))))
     except (OSError, RuntimeError) as exc:
         logger.warning("%s unavailable, using the torch path: %s", what, exc)
         return None

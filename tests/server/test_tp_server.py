@@ -72,13 +72,17 @@ def server_info(url: str) -> dict[str, Any]:
 
 
 def wait_idle(url: str) -> dict[str, Any]:
-    """/get_server_info once every rank has no request left (the pools' checks ran)."""
+    """/get_server_info once every rank has no request left and has checked its pool: a rank
+    with no request may still be finishing its last step, and until every rank has checked,
+    the combined verdict is unknown (None)."""
     deadline = time.monotonic() + 60
     while True:
         info = server_info(url)
         busy = [s["num_running_reqs"] + s["num_queue_reqs"] for s in info["internal_states"]]
-        if not any(busy) or time.monotonic() > deadline:
+        checked = info["memory_integrity"]["ok"] is not None
+        if (not any(busy) and checked) or time.monotonic() > deadline:
             return info
+        time.sleep(0.05)
 
 
 def test_greedy_equals_tp1(tp1: str, tp2: ServerProcess, default_model_path: str) -> None:

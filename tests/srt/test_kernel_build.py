@@ -1,9 +1,13 @@
-"""`srt/kernels/build.py`: every C source compiles where a compiler is, and the library cache
-is keyed by the content of every source and header."""
+"""`srt/kernels/build.py`: every C source compiles where a compiler is, the library cache is
+keyed by the content of every source and header, and the first load builds every missing
+source at once, each once however many processes start together."""
 
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -35,7 +39,8 @@ def test_build_is_cached_by_content(monkeypatch, tmp_path):
     mtime = first.stat().st_mtime_ns
     assert build.build_library("paged_extend.c") == first
     assert first.stat().st_mtime_ns == mtime
-    assert list((tmp_path / "kernels").iterdir()) == [first]  # no temporary left behind
+    left = [p for p in (tmp_path / "kernels").iterdir() if p.suffix != ".lock"]
+    assert left == [first]  # no temporary left behind
 
 
 @needs_kernel
@@ -50,3 +55,72 @@ def test_build_key_covers_every_source_and_header(monkeypatch, tmp_path):
         header.write("/* edited */\n")
     second = build.build_library("paged_extend.c")
     assert second != first and first.exists() and second.exists()
+
+
+needs_compiler = pytest.mark.skipif(
+    shutil.which("gcc") is None and shutil.which("cc") is None, reason="no C compiler"
+)
+
+# A test double for the C compiler: it logs each compile (not `--version`), waits so that two
+# processes' builds overlap, then runs the real compiler.
+LOGGING_COMPILER = """#!/bin/sh
+case "$*" in *" -o "*) echo "$*" >> "{log}"; sleep 0.5;; esac
+exec {cc} "$@"
+"""
+
+
+@pytest.fixture
+def toy_sources(monkeypatch, tmp_path) -> Path:
+    """Three tiny C sources in place of csrc/, an empty cache, and the logging compiler;
+    returns the compiler's log."""
+    csrc = tmp_path / "csrc"
+    csrc.mkdir()
+    for i, name in enumerate(("a", "b", "c")):
+        (csrc / f"{name}.c").write_text(f"int {name}_value(void) {{ return {i}; }}\n")
+    log = tmp_path / "compiles.log"
+    compiler = tmp_path / "cc-double"
+    real = shutil.which("gcc") or shutil.which("cc")
+    compiler.write_text(LOGGING_COMPILER.format(log=log, cc=real))
+    compiler.chmod(0o755)
+    monkeypatch.setattr(build, "CSRC", csrc)
+    monkeypatch.setenv("RADIXRT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(compiler))
+    return log
+
+
+def compiled(log: Path) -> list[str]:
+    if not log.exists():
+        return []
+    return sorted(Path(line.split()[-4]).name for line in log.read_text().splitlines())
+
+
+@needs_compiler
+def test_first_load_builds_every_missing_source(toy_sources, tmp_path):
+    lib = build.load("b.c", lambda lib: lib, "toy kernel")
+    assert lib is not None and lib.b_value() == 1
+    assert compiled(toy_sources) == ["a.c", "b.c", "c.c"]
+    assert build.load("c.c", lambda lib: lib, "toy kernel").c_value() == 2
+    assert compiled(toy_sources) == ["a.c", "b.c", "c.c"]  # nothing compiled again
+
+
+@needs_compiler
+def test_another_sources_failure_is_raised_at_its_own_load(toy_sources, tmp_path):
+    (build.CSRC / "broken.c").write_text("this is not C\n")
+    assert build.build_with_the_rest("a.c").exists()
+    with pytest.raises(RuntimeError, match="broken.c"):
+        build.build_library("broken.c")
+    assert build.load("broken.c", lambda lib: lib, "toy kernel") is None  # the torch path
+
+
+@needs_compiler
+def test_processes_starting_together_compile_each_source_once(toy_sources, tmp_path):
+    code = (
+        "import sys; from pathlib import Path; from srt.kernels import build; "
+        "build.CSRC = Path(sys.argv[1]); build.build_with_the_rest(sys.argv[2])"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(build.CSRC), source])
+        for source in ("a.c", "c.c")
+    ]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    assert compiled(toy_sources) == ["a.c", "b.c", "c.c"]
