@@ -115,7 +115,10 @@ def _collect_garbage_after_test() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+def server(tmp_path_factory: pytest.TempPathFactory, default_model_path: str) -> Iterator[object]:
+    """The shared default-model server. It starts after `default_model_path` converted the
+    GGUF file, as every start after a machine's first does: its main process then only
+    reads the converted folder (a first start converts, and that loads torch there)."""
     from tests.server.server_process import ServerProcess
 
     log = Path(tmp_path_factory.mktemp("server")) / "server.log"
@@ -134,10 +137,12 @@ def url(server) -> str:
 
 # A second shared server, of the tiny model, for the tests of request handling that need no
 # real outputs: a 64-token context (any request finishes at once), a batch limit of 8, an
-# API key, and grammar compiles that time out after 5 s, two pending a client.
+# API key, and grammar compiles that time out after 10 s, two pending a client. The timeout
+# counts a grammar worker's first start (xgrammar's import, the vocabulary's tables): 5 s was
+# too short for that while the other test worker kept both cores busy.
 TINY_SERVER_KEY = "tiny-server-key"
 TINY_SERVER_BATCH = 8
-TINY_SERVER_COMPILE_TIMEOUT_S = 5.0
+TINY_SERVER_COMPILE_TIMEOUT_S = 10.0
 
 
 @pytest.fixture(scope="session")

@@ -66,8 +66,12 @@ def make_driver(
 
 
 def with_oracle(d: InProcessDriver, ps: list[list[int]], outs: list[list[int]]) -> None:
+    """Drafts from `OracleProposer`, kept whole: the controller times no step, so how many
+    tokens each request drafts (and so when the pool runs out) does not depend on how busy
+    the machine is."""
     assert d.scheduler.drafts is not None
     d.scheduler.drafts.proposer = OracleProposer([p + o for p, o in zip(ps, outs, strict=True)])
+    d.scheduler.drafts.time_steps = False
 
 
 def ids(outs: list[dict]) -> list[list[int]]:
