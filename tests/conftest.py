@@ -201,27 +201,8 @@ def share_groups(items: list[pytest.Item]) -> dict[str, str]:
     return groups
 
 
-def slow_first(items: list[pytest.Item], groups: list[str]) -> None:
-    """Order the groups by their `slow` tests, most first (else as collected): the workers
-    take groups in this order (`pytest_configure`), so the last ones are short and neither
-    worker is left alone with a long one at the end."""
-    slow: dict[str, int] = {}
-    for item, group in zip(items, groups, strict=True):
-        slow[group] = slow.get(group, 0) + (item.get_closest_marker("slow") is not None)
-    first = {group: i for i, group in reversed(list(enumerate(groups)))}
-    order = sorted(range(len(items)), key=lambda i: (-slow[groups[i]], first[groups[i]], i))
-    items[:] = [items[i] for i in order]
-
-
 def test_file(item: pytest.Item) -> str:
     return item.nodeid.split("::", 1)[0]
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    """Under `--dist loadgroup`, hand the groups out in the order the workers collected them
-    (`slow_first`), not by their number of tests."""
-    if config.getoption("dist", "no") == "loadgroup":
-        config.option.loadscopereorder = False
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
@@ -233,8 +214,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     groups = share_groups(items)
     for item in items:
         item.add_marker(pytest.mark.xdist_group(groups[test_file(item)]))
-    if getattr(config.option, "loadgroup", False):  # a pytest-xdist worker
-        slow_first(items, [groups[test_file(item)] for item in items])
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
