@@ -21,9 +21,8 @@ import pytest
 from srt import environ
 
 # Two test workers and the servers they start share two cores: an OpenMP thread that spins
-# while it waits holds a core another process needs (the suite ran in 11 min 40 s with
-# passive waits, docs/tests.md). Set before any test imports torch, so the workers and
-# every server process they start inherit it.
+# while it waits holds a core another process needs. Set before any test imports torch, so
+# the workers and every server process they start inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # One shared server (the default model in float32, its GGUF weights dequantized: HF's
@@ -193,7 +192,7 @@ def share_groups(items: list[pytest.Item]) -> dict[str, str]:
     tensor-parallel server, say) are made once."""
     used: dict[str, set[str]] = {}
     for item in items:
-        used.setdefault(test_file(item), set()).update(getattr(item, "fixturenames", ()))
+        used.setdefault(file_of(item), set()).update(getattr(item, "fixturenames", ()))
     groups = {}
     for file, names in used.items():
         shared = [group for fixture, group in _SHARED_FIXTURE_GROUPS if fixture in names]
@@ -201,7 +200,7 @@ def share_groups(items: list[pytest.Item]) -> dict[str, str]:
     return groups
 
 
-def test_file(item: pytest.Item) -> str:
+def file_of(item: pytest.Item) -> str:
     return item.nodeid.split("::", 1)[0]
 
 
@@ -213,7 +212,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     groups = share_groups(items)
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(groups[test_file(item)]))
+        item.add_marker(pytest.mark.xdist_group(groups[file_of(item)]))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -7,8 +7,8 @@ library is cached under `cache_root()/kernels` (`RADIXRT_CACHE_DIR`, default
 version and the CPU's flags, and written through a temporary file and a rename so concurrent
 processes never load a half-written file, and under a lock beside it, so that processes
 starting together (tensor-parallel ranks, test workers) compile each source once. The first
-kernel a process loads on a machine builds every missing one at once, one compiler per core:
-the six sources take about a minute of compiler time, most of it `decode_layer.c`. Later
+kernel a process loads on a machine builds every missing one at once, one compiler per core
+(the largest sources take most of the compile time; `docs/tests.md` has the figures). Later
 processes only load the files.
 
 `load` wraps a built library (ctypes) for one kernel family, or gives None where it cannot be
@@ -141,8 +141,9 @@ def build_with_the_rest(source: str) -> Path:
     built one at a time they keep a core idle for most of a minute. Only `source`'s failure
     is raised; another source's is raised when that source is loaded."""
     how = _Build.here()
-    if how.target(source).exists():
-        return how.target(source)
+    target = how.target(source)
+    if target.exists():
+        return target
     rest = [
         f.name
         for f in sorted(CSRC.glob("*.c"), key=lambda f: -f.stat().st_size)

@@ -14,14 +14,15 @@ import pytest
 from srt.kernels import attention as kernels
 from srt.kernels import build
 
+needs_compiler = pytest.mark.skipif(
+    shutil.which("gcc") is None and shutil.which("cc") is None, reason="no C compiler"
+)
 needs_kernel = pytest.mark.skipif(
     kernels.paged_extend_kernel() is None, reason="no C compiler: the kernels cannot build"
 )
 
 
-@pytest.mark.skipif(
-    shutil.which("gcc") is None and shutil.which("cc") is None, reason="no C compiler"
-)
+@needs_compiler
 @pytest.mark.parametrize("source", sorted(p.name for p in build.CSRC.glob("*.c")))
 def test_every_kernel_source_compiles_where_a_compiler_is(source):
     """Where a compiler exists a kernel must build: a source that stops compiling (one file's
@@ -57,10 +58,6 @@ def test_build_key_covers_every_source_and_header(monkeypatch, tmp_path):
     assert second != first and first.exists() and second.exists()
 
 
-needs_compiler = pytest.mark.skipif(
-    shutil.which("gcc") is None and shutil.which("cc") is None, reason="no C compiler"
-)
-
 # A test double for the C compiler: it logs each compile (not `--version`), waits so that two
 # processes' builds overlap, then runs the real compiler.
 LOGGING_COMPILER = """#!/bin/sh
@@ -95,7 +92,7 @@ def compiled(log: Path) -> list[str]:
 
 
 @needs_compiler
-def test_first_load_builds_every_missing_source(toy_sources, tmp_path):
+def test_first_load_builds_every_missing_source(toy_sources):
     lib = build.load("b.c", lambda lib: lib, "toy kernel")
     assert lib is not None and lib.b_value() == 1
     assert compiled(toy_sources) == ["a.c", "b.c", "c.c"]
@@ -104,7 +101,7 @@ def test_first_load_builds_every_missing_source(toy_sources, tmp_path):
 
 
 @needs_compiler
-def test_another_sources_failure_is_raised_at_its_own_load(toy_sources, tmp_path):
+def test_another_sources_failure_is_raised_at_its_own_load(toy_sources):
     (build.CSRC / "broken.c").write_text("this is not C\n")
     assert build.build_with_the_rest("a.c").exists()
     with pytest.raises(RuntimeError, match="broken.c"):
@@ -113,7 +110,7 @@ def test_another_sources_failure_is_raised_at_its_own_load(toy_sources, tmp_path
 
 
 @needs_compiler
-def test_processes_starting_together_compile_each_source_once(toy_sources, tmp_path):
+def test_processes_starting_together_compile_each_source_once(toy_sources):
     code = (
         "import sys; from pathlib import Path; from srt.kernels import build; "
         "build.CSRC = Path(sys.argv[1]); build.build_with_the_rest(sys.argv[2])"
