@@ -186,7 +186,7 @@ class ServerArgs:
     dist_init_addr: str | None = _opt(
         None,
         "host:port where rank 0 hosts the group's TCP store; needed with --nnodes > 1 "
-        "(default: a free port on 127.0.0.1)",
+        "(default, on one node: a file in the server's private directory)",
     )
     dist_timeout: float = _opt(
         60.0, "seconds every rank has to join the tensor-parallel group at start-up"

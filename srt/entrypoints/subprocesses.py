@@ -24,7 +24,6 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -64,22 +63,18 @@ def scheduler_name(rank: int) -> str:
     return "scheduler" if rank == 0 else f"scheduler rank {rank}"
 
 
-def free_local_addr() -> str:
-    """`127.0.0.1:<a port free right now>`, for a one-node group's TCP store."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
-
-
-def rank_specs(server_args: ServerArgs) -> list[TPSpec | None]:
-    """This node's scheduler ranks: one `None` at tp=1 (no group at all), else their specs."""
+def rank_specs(server_args: ServerArgs, ipc_dir: str) -> list[TPSpec | None]:
+    """This node's scheduler ranks: one `None` at tp=1 (no group at all), else their specs.
+    A one-node group without --dist-init-addr meets through a file in the server's private
+    `ipc_dir`, not a TCP port: a port found free now may be taken by another program's
+    connection before rank 0 binds it, seconds later."""
     if server_args.tp_size == 1:
         return [None]
     return node_specs(
         server_args.tp_size,
         server_args.nnodes,
         server_args.node_rank,
-        server_args.dist_init_addr or free_local_addr(),
+        server_args.dist_init_addr or f"file://{ipc_dir}/tp-group",
         server_args.resolved_device(),
         server_args.dist_timeout,
         server_args.watchdog_timeout,
@@ -105,7 +100,7 @@ class ChildProcesses:
         self.procs: dict[str, Any] = {}
         self._readers: dict[str, Connection] = {}  # scheduler name -> its ready pipe
         writers = []
-        for spec in rank_specs(server_args):
+        for spec in rank_specs(server_args, self.port_args.ipc_dir):
             name = scheduler_name(spec.rank if spec is not None else 0)
             reader, writer = ctx.Pipe(duplex=False)
             # At tp=1 the call is the one from before tensor parallelism, argument for argument.

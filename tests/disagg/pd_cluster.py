@@ -10,7 +10,8 @@ from pathlib import Path
 import requests
 
 from bench.launch import router_command
-from tests.server.server_process import ServerProcess, die_with_parent, free_port
+from tests.ports import free_port
+from tests.server.server_process import ServerProcess, die_with_parent
 
 ROUTER_TIMEOUT_S = 120.0
 

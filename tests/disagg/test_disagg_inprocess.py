@@ -6,7 +6,6 @@ but load time (the PD router tests run the default model)."""
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
@@ -15,6 +14,7 @@ from disagg.base import KVPoll, slot_runs
 from managers.inprocess import InProcessDriver
 from srt.server_args import ServerArgs
 from tests.engine.draft_oracles import OracleProposer
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -27,12 +27,6 @@ TEXTS = [
     "Photosynthesis is the process by which plants",
 ]
 PARAMS = {"max_new_tokens": 16, "temperature": 0}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import random
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from disagg.base import KVArgs
 from managers.inprocess import InProcessDriver
 from srt.server_args import ServerArgs
 from tests.engine.tiny_models import VOCAB, save_tiny_model
+from tests.ports import free_port
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 PROMPT_LEN = 200
@@ -32,12 +32,6 @@ TIGHT_POOL = 320
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory) -> str:
     return str(save_tiny_model("llama", tmp_path_factory.mktemp("llama")))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prompt(seed: int, n: int = PROMPT_LEN) -> list[int]:

@@ -20,7 +20,7 @@ from mem_cache.kv_events import (
     KVEventsConfig,
 )
 from tests.mem_cache.kv_event_helpers import LiveSet, per_page, sglang_kv_events, tree_hashes
-from tests.server.server_process import free_port
+from tests.ports import free_port
 
 
 def recv_batch(sock: zmq.Socket, timeout_ms: int = 5000) -> tuple[bytes, int, KVEventBatch]:

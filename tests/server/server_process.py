@@ -5,7 +5,6 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,24 +12,9 @@ from pathlib import Path
 
 import requests
 
+from tests.ports import free_port
+
 STARTUP_TIMEOUT_S = 180.0
-
-
-_handed_out: set[int] = set()
-
-
-def free_port() -> int:
-    """A port free now and not handed out before by this process. The OS may offer a port
-    again as soon as the probe socket closes, and ports are bound later, by other processes:
-    a server's HTTP port once came out equal to the KV-events port the test had picked just
-    before, and the server could not bind it."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _handed_out:
-            _handed_out.add(port)
-            return port
 
 
 def die_with_parent() -> None:

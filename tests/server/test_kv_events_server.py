@@ -30,7 +30,8 @@ from mem_cache.kv_events import (
     public_hashes,
 )
 from tests.mem_cache.kv_event_helpers import per_page, sglang_decoder
-from tests.server.server_process import ServerProcess, free_port
+from tests.ports import free_port
+from tests.server.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -26,7 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench import chaos
 from bench.launch import router_command
-from tests.server.server_process import ServerProcess, die_with_parent, free_port
+from tests.ports import free_port
+from tests.server.server_process import ServerProcess, die_with_parent
 
 pytestmark = pytest.mark.slow
 

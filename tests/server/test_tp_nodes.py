@@ -24,7 +24,8 @@ from managers.io_struct import MemoryIntegrity, SchedulerState
 from managers.server_status import combined_memory_integrity as combined
 from srt.entrypoints.subprocesses import root_cause
 from srt.utils.process import TP_PEER_LOST_EXIT_CODE
-from tests.server.server_process import ServerProcess, alive, child_pids, die_with_parent, free_port
+from tests.ports import free_port
+from tests.server.server_process import ServerProcess, alive, child_pids, die_with_parent
 
 PARAMS = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 PROMPTS = [[1, 5, 9, 33, 71], [1, 200, 3], list(range(2, 40))]
