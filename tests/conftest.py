@@ -24,6 +24,13 @@ from srt import environ
 # while it waits holds a core another process needs. Set before any test imports torch, so
 # the workers and every server process they start inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# And each worker's processes take an equal share of the cores as torch threads (one each for
+# two workers on two cores): with more threads than cores, every parallel region waits for a
+# thread the scheduler has preempted. A run without workers keeps torch's own count.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _share = max(1, len(os.sched_getaffinity(0)) // _WORKERS)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
 
 # One shared server (the default model in float32, its GGUF weights dequantized: HF's
 # reference model; metrics on) for every HTTP test. Its chat
