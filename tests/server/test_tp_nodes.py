@@ -6,6 +6,7 @@ and the one memory_integrity verdict over every rank."""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import signal
@@ -22,7 +23,8 @@ import requests
 
 from managers.io_struct import MemoryIntegrity, SchedulerState
 from managers.server_status import combined_memory_integrity as combined
-from srt.entrypoints.subprocesses import root_cause
+from srt.entrypoints.subprocesses import rank_specs, root_cause
+from srt.server_args import ServerArgs
 from srt.utils.process import TP_PEER_LOST_EXIT_CODE
 from tests.ports import free_port
 from tests.server.server_process import ServerProcess, alive, child_pids, die_with_parent
@@ -207,3 +209,13 @@ def test_memory_integrity_over_ranks() -> None:
     assert combined([_state(0, True, at=2.0), _state(1, None)]) == MemoryIntegrity(None)
     failed = combined([_state(0, None), _state(1, False, "slot 3 leaked", 1.0)])
     assert failed == MemoryIntegrity(False, "rank 1: slot 3 leaked", None)
+
+
+def test_one_node_group_meets_through_a_file_in_the_servers_directory(tmp_path) -> None:
+    """No --dist-init-addr on one node: no probed TCP port, which another program's connection
+    could take before rank 0 binds it; a given address is used as it is."""
+    args = ServerArgs(model_path="unused", tp_size=2)
+    specs = rank_specs(args, str(tmp_path))
+    assert [s.init_method for s in specs] == [f"file://{tmp_path}/tp-group"] * 2
+    given = dataclasses.replace(args, dist_init_addr="10.0.0.1:29500")
+    assert {s.init_method for s in rank_specs(given, str(tmp_path))} == {"tcp://10.0.0.1:29500"}
