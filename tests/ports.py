@@ -50,7 +50,7 @@ class _Ports:
 
     def __init__(self, ports: range) -> None:
         self.ports = ports
-        self.next = random.randrange(len(ports)) if len(ports) else 0
+        self.next = random.randrange(len(ports))
         self.handed_out: set[int] = set()
 
     def take(self) -> int:

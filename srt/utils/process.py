@@ -44,7 +44,7 @@ class PortArgs:
     tokenizer_ipc: str  # detokenizer and scheduler -> tokenizer manager
     scheduler_input_ipc: str  # tokenizer manager -> scheduler
     detokenizer_ipc: str  # scheduler -> detokenizer
-    ipc_dir: str  # private to this server; holds the three socket files
+    ipc_dir: str  # private to this server: the three socket files, a one-node TP group's store
 
     @classmethod
     def new(cls, root: str | None = None) -> PortArgs:
