@@ -105,8 +105,11 @@ class Sampler:
             top_ks, top_ps, min_ps = pick(info.top_ks), pick(info.top_ps), pick(info.min_ps)
             cand_p, cand_ids = self._candidates(probs, top_ks, top_ps, min_ps, need_p, need_min_p)
             cand_p = filter_sorted(cand_p, top_ks, top_ps, min_ps, need_k, need_p, need_min_p)
-            # Every filter keeps a prefix of the sorted order: drop the all-zero tail.
-            kept = int((cand_p > 0).sum(dim=-1).max())
+            # Every filter keeps a prefix of the sorted order: drop the all-zero tail. At least
+            # one column stays: a row whose every token is masked (its grammar allows only EOS,
+            # which min_new_tokens forbids) has no positive probability, and like a greedy row
+            # it gets a token its grammar then rejects.
+            kept = max(1, int((cand_p > 0).sum(dim=-1).max()))
             cand_p, cand_ids = cand_p[:, :kept], cand_ids[:, :kept]
             noise = seeded_exponential(seeds, positions, cand_ids)
             best = (cand_p / noise).argmax(dim=-1, keepdim=True)

@@ -101,3 +101,19 @@ def test_invalid_response_format_schema_is_a_400(url: str) -> None:
     assert r.json()["error"]["code"] == 400
     state = requests.get(url + "/get_server_info", timeout=30).json()["internal_states"][0]
     assert state["memory_integrity"]["ok"] is not False
+
+
+@pytest.mark.parametrize("filters", [{"top_p": 0.9}, {"top_k": 5}])
+def test_grammar_that_leaves_no_token_aborts_the_request_not_the_server(
+    url: str, filters: dict
+) -> None:
+    """After "a" the regex allows only EOS, which min_new_tokens forbids: no token is left.
+    A sampled request with top_p or top_k ends as an abort naming the grammar (the sampler's
+    candidate filter must leave it a token to reject), and the server keeps serving."""
+    params = {"regex": "a", "min_new_tokens": 3, "max_new_tokens": 5, "temperature": 1.0}
+    body = {"text": "Hi", "sampling_params": {**params, **filters}}
+    r = requests.post(url + "/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    finish = r.json()["meta_info"]["finish_reason"]
+    assert finish["type"] == "abort" and "grammar" in finish["message"], finish
+    assert requests.get(url + "/health_generate", timeout=30).status_code == 200

@@ -300,3 +300,18 @@ def test_batch_info_moves_every_tensor_to_the_logits_device() -> None:
     )
     assert all(getattr(moved, name).device.type == "meta" for name in tensors)
     assert moved.is_all_greedy == info.is_all_greedy and moved.vocab_size == 16
+
+
+@pytest.mark.parametrize("params", [{"top_p": 0.9}, {"top_k": 5}, {"min_p": 0.1}, {}])
+def test_a_row_with_every_token_masked_still_gets_a_token(params: dict[str, Any]) -> None:
+    """Every logit -inf (a grammar that allows only EOS under min_new_tokens): the sampler
+    returns a token, as a greedy row does, and the other rows keep their draws."""
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(3))
+    masked = logits.clone()
+    masked[0] = float("-inf")
+    reqs = [req(seed=1, temperature=1.0, **params), req(seed=2, temperature=1.0, **params)]
+    alone = sample(masked[:1], reqs[:1]).next_token_ids
+    assert alone.shape == (1,) and 0 <= int(alone[0]) < 50
+    out = sample(masked, reqs).next_token_ids
+    assert out.shape == (2,) and 0 <= int(out[0]) < 50
+    assert out[1] == sample(logits, reqs).next_token_ids[1]
