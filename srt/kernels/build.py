@@ -157,6 +157,23 @@ def build_with_the_rest(source: str) -> Path:
         return wanted.result()
 
 
+def build_all() -> dict[str, Path | RuntimeError]:
+    """Every csrc/ library, compiled where missing, one compiler per core (largest first):
+    each source's library, or the error that stopped its build."""
+    how = _Build.here()
+    sources = [f.name for f in sorted(CSRC.glob("*.c"), key=lambda f: -f.stat().st_size)]
+    workers = max(1, min(len(sources), len(os.sched_getaffinity(0))))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {source: pool.submit(how.compile, source) for source in sources}
+    built: dict[str, Path | RuntimeError] = {}
+    for source, future in futures.items():
+        try:
+            built[source] = future.result()
+        except RuntimeError as exc:
+            built[source] = exc
+    return built
+
+
 def load(source: str, wrapper: Callable[[ctypes.CDLL], T], what: str) -> T | None:
     """`wrapper` around the library built from csrc/`source`, or None (logged, with why)."""
     if platform.machine() not in ("x86_64", "AMD64"):

@@ -121,3 +121,14 @@ def test_processes_starting_together_compile_each_source_once(toy_sources):
     ]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
     assert compiled(toy_sources) == ["a.c", "b.c", "c.c"]
+
+
+@needs_compiler
+def test_build_all_builds_each_source_once_and_names_a_failure(toy_sources):
+    (build.CSRC / "broken.c").write_text("this is not C\n")
+    built = build.build_all()
+    assert sorted(built) == ["a.c", "b.c", "broken.c", "c.c"]
+    assert all(built[s].exists() for s in ("a.c", "b.c", "c.c"))
+    assert isinstance(built["broken.c"], RuntimeError) and "broken.c" in str(built["broken.c"])
+    assert build.build_all()["b.c"] == built["b.c"]
+    assert compiled(toy_sources) == ["a.c", "b.c", "broken.c", "broken.c", "c.c"]
