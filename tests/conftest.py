@@ -83,11 +83,16 @@ def default_worker() -> Any:
 
 
 @pytest.fixture(scope="session")
-def default_hf_reference(default_model_path: str) -> Any:
-    """HF's greedy tokens of the default model for `DEFAULT_TEXTS`, generated once."""
+def default_hf_reference(tmp_path_factory: pytest.TempPathFactory, default_model_path: str) -> Any:
+    """HF's greedy tokens of the default model for `DEFAULT_TEXTS`, generated once a run:
+    under pytest-xdist the workers' temporary directories share a parent made for this run,
+    and the first worker to need the tokens leaves them there for the other."""
     from tests.engine.hf_reference import DefaultModelReference
 
-    return DefaultModelReference(default_model_path)
+    shared = None
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / "default-hf-reference.json"
+    return DefaultModelReference(default_model_path, shared)
 
 
 # Resident memory a run of tests may add before the collector runs: one small model's worth.

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
+import json
+from pathlib import Path
+
 import torch
 
 NEAR_TIE = 1e-4
@@ -71,19 +75,36 @@ def assert_greedy_equal(model, prompt: list[int], ours: list[int], ref: list[int
 
 class DefaultModelReference:
     """HF's greedy tokens of the default model (float32) for `DEFAULT_TEXTS`, generated in one
-    batch when built; the model itself is dropped and loaded again only if a comparison
-    needs its logits (a difference to check for a near-tie)."""
+    batch when built (or read from `shared`, see `__init__`); the model itself is loaded only
+    if a comparison needs its logits (a difference to check for a near-tie)."""
 
-    def __init__(self, model_path: str) -> None:
+    def __init__(self, model_path: str, shared: Path | None = None) -> None:
+        """`shared`: a file the test workers of one run share. The first worker to get here
+        generates the tokens and writes them there (under a lock beside it); the others read
+        them, instead of each running HF's generation (20 s on one core)."""
+        self.model_path = model_path
+        self._model = None
+        if shared is None:
+            self.prompts, self.refs = self._generate()
+            return
+        with open(shared.with_name(shared.name + ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if shared.exists():
+                saved = json.loads(shared.read_text())
+                assert saved["model_path"] == model_path, (saved["model_path"], model_path)
+                self.prompts, self.refs = saved["prompts"], saved["refs"]
+                return
+            self.prompts, self.refs = self._generate()
+            saved = {"model_path": model_path, "prompts": self.prompts, "refs": self.refs}
+            shared.write_text(json.dumps(saved))
+
+    def _generate(self) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
         from transformers import AutoTokenizer
 
-        self.model_path = model_path
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.prompts = {text: tokenizer.encode(text) for text in DEFAULT_TEXTS}
-        model = self._load()
-        refs = hf_greedy_batch(model, list(self.prompts.values()), DEFAULT_NEW_TOKENS)
-        self.refs = dict(zip(DEFAULT_TEXTS, refs, strict=True))
-        self._model = None
+        tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        prompts = {text: tokenizer.encode(text) for text in DEFAULT_TEXTS}
+        refs = hf_greedy_batch(self._load(), list(prompts.values()), DEFAULT_NEW_TOKENS)
+        return prompts, dict(zip(DEFAULT_TEXTS, refs, strict=True))
 
     def _load(self):
         from transformers import AutoModelForCausalLM
