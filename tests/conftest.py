@@ -233,6 +233,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Refuse `--dist loadgroup` where pytest-xdist cannot group the tests: xdist 3.8 marks a
+    grouped test by rewriting `item._nodeid`, which pytest 9.2 no longer reads, so every test
+    would be scheduled alone and each worker would start every shared server."""
+    if config.getoption("dist", "no") != "loadgroup":
+        return
+    import xdist
+    from packaging.version import Version
+
+    if Version(pytest.__version__) >= Version("9.2") and Version(xdist.__version__) <= Version(
+        "3.8.0"
+    ):
+        raise pytest.UsageError(
+            f"pytest-xdist {xdist.__version__} cannot group tests under pytest "
+            f"{pytest.__version__}: install the pytest pyproject.toml's test extra pins (<9.2)"
+        )
+
+
 _EXIT_STATUS: list[int] = []
 
 
