@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import platform
 import sys
 import time
 from pathlib import Path
@@ -67,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     ok = True
-    if not args.skip_kernels and platform.machine() in ("x86_64", "AMD64"):
+    from srt.kernels.build import builds_here
+
+    if not args.skip_kernels and builds_here():
         ok = _kernels()
     try:
         _model(args.model_path)

@@ -136,25 +136,19 @@ def build_library(source: str) -> Path:
 
 
 def build_with_the_rest(source: str) -> Path:
-    """`build_library(source)`, compiling every other missing source beside it, one compiler
-    per core (largest first): a process that needs one kernel soon needs the others, and
-    built one at a time they keep a core idle for most of a minute. Only `source`'s failure
-    is raised; another source's is raised when that source is loaded."""
-    how = _Build.here()
-    target = how.target(source)
+    """`build_library(source)`, compiling every other missing source beside it (`build_all`):
+    a process that needs one kernel soon needs the others, and built one at a time they keep
+    a core idle for most of a minute. Only `source`'s failure is raised; another source's is
+    raised when that source is loaded."""
+    target = _Build.here().target(source)
     if target.exists():
         return target
-    rest = [
-        f.name
-        for f in sorted(CSRC.glob("*.c"), key=lambda f: -f.stat().st_size)
-        if f.name != source and not how.target(f.name).exists()
-    ]
-    workers = max(1, min(len(rest) + 1, len(os.sched_getaffinity(0))))
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        wanted = pool.submit(how.compile, source)
-        for other in rest:
-            pool.submit(how.compile, other)  # errors surface at that source's own load
-        return wanted.result()
+    built = build_all().get(source)
+    if built is None:  # not one of csrc/'s sources: its own build names what is missing
+        return build_library(source)
+    if isinstance(built, RuntimeError):
+        raise built
+    return built
 
 
 def build_all() -> dict[str, Path | RuntimeError]:
@@ -174,9 +168,14 @@ def build_all() -> dict[str, Path | RuntimeError]:
     return built
 
 
+def builds_here() -> bool:
+    """Whether the kernels are built on this machine's architecture (x86-64 only)."""
+    return platform.machine() in ("x86_64", "AMD64")
+
+
 def load(source: str, wrapper: Callable[[ctypes.CDLL], T], what: str) -> T | None:
     """`wrapper` around the library built from csrc/`source`, or None (logged, with why)."""
-    if platform.machine() not in ("x86_64", "AMD64"):
+    if not builds_here():
         logger.info("%s: not built on %s; torch path", what, platform.machine())
         return None
     try:

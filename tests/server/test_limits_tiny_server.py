@@ -11,11 +11,10 @@ import time
 import pytest
 import requests
 
-from tests.conftest import TINY_SERVER_BATCH, TINY_SERVER_KEY
+from tests.conftest import TINY_SERVER_KEY
 from tests.entrypoints.helpers import assert_error
 
 AUTH = {"Authorization": f"Bearer {TINY_SERVER_KEY}"}
-SMALL_BATCH = TINY_SERVER_BATCH
 
 
 @pytest.fixture(scope="module")
