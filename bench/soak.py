@@ -2,6 +2,7 @@
 
     python -m bench.soak --duration-s 3600 --rate 2 --out soak/        # starts its own server
     python -m bench.soak --url http://127.0.0.1:30000 --pid PID --duration-s 600 --out soak/
+    python -m bench.soak --url URL --requests 40 --rate 8 --out soak/   # 40 arrivals, however long
 
 Requests arrive as a Poisson process at `--rate` a second, each of a kind drawn from `KINDS`:
 native and OpenAI routes, streaming and not, `n` = 2, logprobs, JSON schemas (a bounded set,
@@ -257,10 +258,12 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             tasks.add(task)
             task.add_done_callback(tasks.discard)
 
-        while (now := time.monotonic()) < start + args.duration_s:
+        launched = 0
+        while not arrivals_done(args, launched, (now := time.monotonic()) - start):
             kind = rng.choices(kinds, weights)[0]
             for _ in range(BURST if kind == "burst" else 1):
                 launch(kind)
+                launched += 1
             await asyncio.sleep(min(rng.expovariate(args.rate), max(0.0, next_sample - now)))
             if time.monotonic() >= next_sample:
                 samples.append(await sample(session, args, outcomes, samples, start))
@@ -280,6 +283,14 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         "samples": samples,
         "memory_integrity": verdict,
     }
+
+
+def arrivals_done(args: argparse.Namespace, launched: int, elapsed_s: float) -> bool:
+    """`--requests N` ends the traffic after N arrivals (the same mix of kinds for a seed, on
+    any machine); otherwise it ends after `--duration-s`."""
+    if args.requests is not None:
+        return launched >= args.requests
+    return elapsed_s >= args.duration_s
 
 
 async def sample(session, args, outcomes: list[Outcome], samples: list, start: float) -> dict:
@@ -330,6 +341,7 @@ def main(argv: list[str] | None = None) -> None:
         help="for a server started here",
     )
     p.add_argument("--duration-s", type=float, default=3600)
+    p.add_argument("--requests", type=int, help="stop after this many arrivals, not a duration")
     p.add_argument("--interval-s", type=float, default=60)
     p.add_argument("--rate", type=float, default=2.0, help="requests a second (Poisson)")
     p.add_argument("--idle-timeout-s", type=float, default=120)
