@@ -47,6 +47,10 @@ from srt import environ
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
+# Sources whose library calls into others' libraries (linked, found beside it) instead of
+# compiling them again: decode_layer.c's attention is paged_decode.c's, whose specialised
+# cases take most of a build (`docs/tests.md` has the compile times).
+LINKED: dict[str, tuple[str, ...]] = {"decode_layer.c": ("paged_decode.c",)}
 T = TypeVar("T")
 P = TypeVar("P")  # a plan dataclass (`kept_plan`)
 
@@ -111,6 +115,9 @@ class _Build:
         target = self.target(source)
         if target.exists():
             return target
+        # The libraries it links against first (each under its own lock), beside it: the
+        # loader finds them there by their names ($ORIGIN), wherever the cache is.
+        linked = [f"-l:{self.compile(dep).name}" for dep in LINKED.get(source, ())]
         target.parent.mkdir(parents=True, exist_ok=True)
         with open(target.with_name(target.name + ".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -118,7 +125,10 @@ class _Build:
                 return target
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built = Path(tmp) / target.name
-                cmd = [self.compiler, *self.flags, str(CSRC / source), "-o", str(built), "-lm"]
+                cmd = [self.compiler, *self.flags, str(CSRC / source), "-o", str(built)]
+                cmd += [f"-Wl,-soname,{target.name}", "-lm"]
+                if linked:
+                    cmd += [f"-L{target.parent}", *linked, "-Wl,-rpath,$ORIGIN"]
                 result = subprocess.run(cmd, capture_output=True, text=True, check=False)
                 if result.returncode != 0:
                     raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr.strip()}")
@@ -152,10 +162,13 @@ def build_with_the_rest(source: str) -> Path:
 
 
 def build_all() -> dict[str, Path | RuntimeError]:
-    """Every csrc/ library, compiled where missing, one compiler per core (largest first):
-    each source's library, or the error that stopped its build."""
+    """Every csrc/ library, compiled where missing, one compiler per core (those others link
+    against first, then the largest): each source's library, or the error that stopped its
+    build."""
     how = _Build.here()
-    sources = [f.name for f in sorted(CSRC.glob("*.c"), key=lambda f: -f.stat().st_size)]
+    linked_to = {dep for deps in LINKED.values() for dep in deps}
+    files = sorted(CSRC.glob("*.c"), key=lambda f: (f.name not in linked_to, -f.stat().st_size))
+    sources = [f.name for f in files]
     workers = max(1, min(len(sources), len(os.sched_getaffinity(0))))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         futures = {source: pool.submit(how.compile, source) for source in sources}

@@ -88,7 +88,8 @@ def toy_sources(monkeypatch, tmp_path) -> Path:
 def compiled(log: Path) -> list[str]:
     if not log.exists():
         return []
-    return sorted(Path(line.split()[-4]).name for line in log.read_text().splitlines())
+    lines = log.read_text().splitlines()
+    return sorted(Path(arg).name for line in lines for arg in line.split() if arg.endswith(".c"))
 
 
 @needs_compiler
@@ -98,6 +99,22 @@ def test_first_load_builds_every_missing_source(toy_sources):
     assert compiled(toy_sources) == ["a.c", "b.c", "c.c"]
     assert build.load("c.c", lambda lib: lib, "toy kernel").c_value() == 2
     assert compiled(toy_sources) == ["a.c", "b.c", "c.c"]  # nothing compiled again
+
+
+@needs_compiler
+def test_a_linked_source_calls_the_library_it_is_linked_against(toy_sources, monkeypatch):
+    """A source in `LINKED` is built after the libraries it names and calls into them (found
+    beside it by name, as decode_layer.c calls paged_decode.c's), not into a copy of its own."""
+    csrc = build.CSRC
+    (csrc / "c.c").write_text("int a_value(void);\nint c_value(void) { return 40 + a_value(); }\n")
+    monkeypatch.setattr(build, "LINKED", {"c.c": ("a.c",)})
+    lib = build.load("c.c", lambda lib: lib, "toy kernel")
+    assert lib is not None and lib.c_value() == 40
+    assert compiled(toy_sources) == ["a.c", "b.c", "c.c"]  # a.c once, for both
+    # c's library names a's by its file name, not its path: the cache may move.
+    [a_library] = build.cache_dir().glob("a-*.so")
+    c_library = Path(lib._name).read_bytes()
+    assert a_library.name.encode() in c_library and str(a_library).encode() not in c_library
 
 
 @needs_compiler

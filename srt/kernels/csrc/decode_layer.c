@@ -3,11 +3,13 @@
  * Built at first use by srt/kernels/build.py and called through ctypes by
  * srt/model_executor/cpu_decode_layer_runner.py, once per layer and step (its C structures
  * are mirrored in srt/kernels/decode_layer.py). The same kernels the layer's
- * modules call one by one (layer_ops.c, packed_linear.c, paged_decode.c, included below as one
- * translation unit) run here in the same order on the same inputs, so the output is the
+ * modules call one by one run here in the same order on the same inputs, so the output is the
  * modules' output bit for bit; what goes away is the Python between them (module calls,
  * tensor allocation, argument checks and ctypes marshalling: a large part of a small model's
- * batch-1 step).
+ * batch-1 step). layer_ops.c, packed_linear.c and quant_linear.c are included below as one
+ * translation unit; the attention is paged_decode.c's library itself, which this one is linked
+ * against (`LINKED` in srt/kernels/build.py): its many specialised cases are most of a
+ * compile, and compiled once they serve both.
  *
  * The layer: residual += x (first layer: residual = x), h = rmsnorm(residual); qkv = h Wqkv;
  * RoPE on q and k; the new K and V written to the pool at out_cache_loc; paged decode
@@ -17,8 +19,8 @@
 
 #include "layer_ops.c"
 #include "packed_linear.c"
-#include "paged_decode.c"
 #include "quant_linear.c"
+#include "paged_decode.h"
 
 /* What a layer keeps from load to unload: weights (the packed panels of packed_linear.c, or
  * of quant_linear.c for a weight whose `*_bits` is 4 or 8, its bias then float32), shapes,

@@ -35,6 +35,7 @@
 #include <string.h>
 
 #include "decode_attend.h"
+#include "paged_decode.h"
 
 #define MIN_SPLIT_TOKENS 256
 #define SHARED_CHUNK 256
