@@ -44,8 +44,10 @@ bytecode_log=$(mktemp)
     && PYTHONDONTWRITEBYTECODE= python -m pytest --collect-only -q) >"$bytecode_log" 2>&1 &
 bytecode=$!
 
-# aiperf pins versions the server does not run: its own environment over the system's packages.
-(python -m venv --system-site-packages .venvs/aiperf \
+# aiperf pins versions the server does not run: its own environment over the system's packages
+# (without a pip of its own, whose install took 20 s beside the jobs above: uv, or else the
+# system's pip, installs into it).
+(python -m venv --without-pip --system-site-packages .venvs/aiperf \
     && install .venvs/aiperf/bin/python -q -r tests/aiperf.txt) \
     || echo "aiperf not installed: its test will skip"
 
