@@ -63,9 +63,9 @@ def run_detokenizer_process(
     become_child("detokenizer", server_args.log_level, parent_pid)
     tokenizer = None
     if not server_args.skip_tokenizer_init:
-        from srt.model_loader.sources import get_tokenizer
+        from srt.model_loader.sources import get_decoding_tokenizer
 
-        tokenizer = get_tokenizer(model_path, server_args.tokenizer_path)
+        tokenizer = get_decoding_tokenizer(model_path, server_args.tokenizer_path)
     manager = DetokenizerManager(tokenizer)
     ctx = zmq.Context(1)
     recv = zmq_socket(ctx, zmq.PULL, port_args.detokenizer_ipc, bind=True)

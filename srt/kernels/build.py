@@ -33,16 +33,18 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
-
-import torch
+from typing import TYPE_CHECKING, TypeVar
 
 from srt import environ
+
+if TYPE_CHECKING:  # building needs only a C compiler: `tests/install.sh` builds before torch
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -230,3 +232,21 @@ def kept_plan(saved: Path, cls: type[P], measure: Callable[[], P]) -> P:
         tmp.write_text(json.dumps(dataclasses.asdict(plan)))
         os.replace(tmp, saved)
     return plan
+
+
+def build_and_report() -> bool:
+    """`build_all`, each library's path printed (a failure's error to stderr); False when one
+    failed. What `python -m srt.prepare` and `python -m srt.kernels.build` run."""
+    ok = True
+    for source, built in build_all().items():
+        if isinstance(built, Path):
+            print(f"kernel {source}: {built}")
+        else:
+            print(f"kernel {source}: build failed: {built}", file=sys.stderr)
+            ok = False
+    return ok
+
+
+if __name__ == "__main__":
+    # Only the build, without torch: `tests/install.sh` compiles while it downloads.
+    raise SystemExit(0 if not builds_here() or build_and_report() else 1)

@@ -9,8 +9,9 @@ Face cache (``hf_cache``). No model hub is ever contacted.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from srt.model_loader.default_model import ModelNotFoundError, find_default_gguf
 from srt.model_loader.gguf_convert import convert_gguf
@@ -66,17 +67,94 @@ def get_tokenizer(
 ) -> PreTrainedTokenizerBase:
     """The local tokenizer of ``tokenizer_path`` (a folder, a .gguf, or a model id in the
     local Hugging Face cache) or else of ``path``."""
-    source = tokenizer_path or path
-    if source.endswith(".gguf") and Path(source).is_file():
-        source = str(convert_gguf(source, cache_dir))
-    elif looks_like_repo_id(source) and (snapshot := cached_snapshot(source)) is not None:
-        source = str(snapshot)
+    source = _tokenizer_source(path, tokenizer_path, cache_dir)
     direct = _tokenizers_backend_for(Path(source))
     if direct is not None:
         return direct.from_pretrained(source, local_files_only=True)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(source, local_files_only=True)
+
+
+def _tokenizer_source(path: str, tokenizer_path: str | None, cache_dir: str | None) -> str:
+    """Where the tokenizer is read from: `tokenizer_path` or else `path`, a GGUF file by its
+    converted folder and a model id by its snapshot in the local Hugging Face cache."""
+    source = tokenizer_path or path
+    if source.endswith(".gguf") and Path(source).is_file():
+        return str(convert_gguf(source, cache_dir))
+    if looks_like_repo_id(source) and (snapshot := cached_snapshot(source)) is not None:
+        return str(snapshot)
+    return source
+
+
+def get_decoding_tokenizer(
+    path: str, tokenizer_path: str | None = None, cache_dir: str | None = None
+) -> Any:
+    """What the detokenizer decodes with: `get_tokenizer`'s tokenizer, or where that is
+    `TokenizersBackend` over a `tokenizer.json` it would use as it is, the `tokenizers`
+    library's tokenizer of that file alone (`BackendDecoder`), which decodes the same without
+    importing transformers (two seconds of each server start)."""
+    decoder = BackendDecoder.for_folder(Path(_tokenizer_source(path, tokenizer_path, cache_dir)))
+    return decoder if decoder is not None else get_tokenizer(path, tokenizer_path, cache_dir)
+
+
+# The tokens `TokenizersBackend` adds to its backend when the backend lacks them as added
+# tokens: those of tokenizer_config.json's `added_tokens_decoder`, its named special tokens,
+# and its extra special tokens.
+_NAMED_SPECIAL_TOKENS = (
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+)  # fmt: skip
+_EXTRA_SPECIAL_TOKENS = ("additional_special_tokens", "extra_special_tokens")
+
+
+class BackendDecoder:
+    """`decode` and `added_tokens_decoder` of a `tokenizers.Tokenizer`, as `TokenizersBackend`
+    gives them: its `decode` is the backend's, followed by a clean-up of spaces that it skips
+    for BPE models, and it changes the backend only by adding tokens it lacks. So where the
+    folder is one `get_tokenizer` reads as `TokenizersBackend`, its model is BPE (or the
+    clean-up is off) and no token would be added, decoding with the backend alone is the same
+    (`tests/srt/test_model_sources.py` checks it)."""
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+        self.added_tokens_decoder = backend.get_added_tokens_decoder()
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @classmethod
+    def for_folder(cls, folder: Path) -> BackendDecoder | None:
+        """The folder's decoder, or None where `TokenizersBackend` would decode otherwise."""
+        if not _reads_as_tokenizers_backend(folder):
+            return None
+        from tokenizers import Tokenizer
+
+        try:
+            config = json.loads((folder / "tokenizer_config.json").read_text())
+            backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception:  # noqa: BLE001 - unreadable here: the full path says why
+            return None
+        bpe = type(backend.model).__name__ == "BPE"
+        if not bpe and config.get("clean_up_tokenization_spaces", False):
+            return None
+        added = {token.content for token in backend.get_added_tokens_decoder().values()}
+        if any(token not in added for token in _config_tokens(config)):
+            return None
+        return cls(backend)
+
+
+def _config_tokens(config: dict[str, Any]) -> list[str]:
+    """The contents of the tokens tokenizer_config.json names (`_NAMED_SPECIAL_TOKENS`...)."""
+
+    def content(token: Any) -> str | None:
+        return token.get("content") if isinstance(token, dict) else token
+
+    named: list[Any] = [config.get(key) for key in _NAMED_SPECIAL_TOKENS]
+    named += list(config.get("added_tokens_decoder", {}).values())
+    for key in _EXTRA_SPECIAL_TOKENS:
+        extra = config.get(key) or []
+        named += list(extra.values()) if isinstance(extra, dict) else list(extra)
+    return [text for text in map(content, named) if isinstance(text, str)]
 
 
 def _tokenizers_backend_for(folder: Path) -> type[PreTrainedTokenizerBase] | None:
@@ -89,18 +167,23 @@ def _tokenizers_backend_for(folder: Path) -> type[PreTrainedTokenizerBase] | Non
     configuration, in each of the three processes that hold a tokenizer (a server's start
     is mostly imports; `tests/srt/test_model_sources.py` checks both give one tokenizer).
     """
-    try:
-        tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
-        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError):
-        return None
-    if (
-        tokenizer_config.get("tokenizer_class") not in DIRECT_TOKENIZER_CLASSES
-        or "auto_map" in tokenizer_config
-        or model_type not in DIRECT_TOKENIZER_MODEL_TYPES
-        or not (folder / "tokenizer.json").is_file()
-    ):
+    if not _reads_as_tokenizers_backend(folder):
         return None
     from transformers import TokenizersBackend
 
     return TokenizersBackend
+
+
+def _reads_as_tokenizers_backend(folder: Path) -> bool:
+    """`_tokenizers_backend_for`'s test, read from the folder's two JSON files."""
+    try:
+        tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return False
+    return (
+        tokenizer_config.get("tokenizer_class") in DIRECT_TOKENIZER_CLASSES
+        and "auto_map" not in tokenizer_config
+        and model_type in DIRECT_TOKENIZER_MODEL_TYPES
+        and (folder / "tokenizer.json").is_file()
+    )

@@ -98,3 +98,75 @@ def test_other_folders_go_through_autotokenizer(
     if "auto_map" not in tokenizer_config:  # loading the folder's own code is refused offline
         got = sources.get_tokenizer(str(folder))
         assert type(got) is type(AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
+
+
+def random_ids(tokenizer, n: int, seed: int) -> list[list[int]]:
+    """Id runs that mix ordinary tokens with every added token (special or not)."""
+    import random
+
+    rng = random.Random(seed)
+    added = list(tokenizer.added_tokens_decoder)
+    return [
+        [
+            rng.choice(added) if rng.random() < 0.2 else rng.randrange(len(tokenizer))
+            for _ in range(k)
+        ]
+        for k in (rng.randint(1, 40) for _ in range(n))
+    ]
+
+
+def assert_decodes_the_same(decoder, tokenizer) -> None:
+    assert {i: (t.content, t.special) for i, t in decoder.added_tokens_decoder.items()} == {
+        i: (t.content, t.special) for i, t in tokenizer.added_tokens_decoder.items()
+    }
+    runs = [tokenizer.encode(text) for text in TEXTS] + random_ids(tokenizer, 200, seed=5)
+    for ids in runs:
+        for skip in (True, False):
+            assert decoder.decode(ids, skip_special_tokens=skip) == tokenizer.decode(
+                ids, skip_special_tokens=skip
+            ), ids
+
+
+def test_the_detokenizer_decodes_as_the_tokenizer_without_transformers(
+    default_model_path: str, tmp_path: Path
+) -> None:
+    """The default model's and a qwen3 folder's decoding tokenizers are the `tokenizers`
+    backend alone, and decode every run of ids (added and special tokens among them, skipped
+    or not) as `get_tokenizer`'s does."""
+    qwen3 = copy_with(Path(default_model_path), tmp_path / "qwen3", {"model_type": "qwen3"}, {})
+    for folder in (default_model_path, str(qwen3)):
+        decoder = sources.get_decoding_tokenizer(folder)
+        assert isinstance(decoder, sources.BackendDecoder)
+        assert_decodes_the_same(decoder, sources.get_tokenizer(folder))
+
+
+@pytest.mark.parametrize(
+    "tokenizer_config",
+    [
+        {"eos_token": "</s>"},  # a named token the backend lacks: TokenizersBackend adds it
+        {"extra_special_tokens": ["<tool>"]},
+        {"tokenizer_class": "GPT2Tokenizer"},  # not read as TokenizersBackend at all
+    ],
+)
+def test_a_tokenizer_that_would_change_the_backend_decodes_through_transformers(
+    default_model_path: str, tmp_path: Path, tokenizer_config: dict
+) -> None:
+    folder = copy_with(Path(default_model_path), tmp_path / "m", {}, tokenizer_config)
+    decoder = sources.get_decoding_tokenizer(str(folder))
+    assert not isinstance(decoder, sources.BackendDecoder)
+    assert_decodes_the_same(decoder, sources.get_tokenizer(str(folder)))
+
+
+def test_the_decoding_tokenizer_imports_no_transformers(default_model_path: str) -> None:
+    """What the detokenizer process imports to decode: no transformers (two seconds a start)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import managers.detokenizer_manager; "
+        "from srt.model_loader.sources import get_decoding_tokenizer as g; "
+        f"t = g({default_model_path!r}); assert t.decode([28, 29]); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'torch')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
