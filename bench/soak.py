@@ -8,7 +8,8 @@ Requests arrive as a Poisson process at `--rate` a second, each of a kind drawn 
 native and OpenAI routes, streaming and not, `n` = 2, logprobs, JSON schemas (a bounded set,
 and some unique ones, which the grammar cache must not keep forever), regexes, forced tool
 calls, clients that leave mid-stream, aborts, client timeouts, and bursts over the queue bound
-(a server started here gets `--max-queued-requests 16`). Expected refusals (a 503 of a full
+(a server started here gets `--max-queued-requests 16`); each asks for 8 to
+`--max-new-tokens` new tokens. Expected refusals (a 503 of a full
 queue) are counted apart; anything else that is not a 2xx is a failure.
 
 Every `--interval-s` it records, per server process (the main one and its children, read
@@ -102,8 +103,10 @@ async def _stream(resp: aiohttp.ClientResponse, started: float, leave_after: int
     return first - started, tpot
 
 
-async def one(session: aiohttp.ClientSession, url: str, kind: str, rng: random.Random) -> Outcome:
-    text, n_new = prompt(rng), rng.randint(8, 48)
+async def one(
+    session: aiohttp.ClientSession, url: str, kind: str, rng: random.Random, max_new: int = 48
+) -> Outcome:
+    text, n_new = prompt(rng), rng.randint(min(8, max_new), max_new)
     chat = {"model": "default", "messages": [{"role": "user", "content": text}]}
     native = {"text": text, "sampling_params": {"max_new_tokens": n_new}}
     started = time.monotonic()
@@ -253,7 +256,8 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
 
         def launch(kind: str) -> None:
-            task = asyncio.create_task(one(session, args.url, kind, random.Random(rng.random())))
+            seeded = random.Random(rng.random())
+            task = asyncio.create_task(one(session, args.url, kind, seeded, args.max_new_tokens))
             task.add_done_callback(lambda t: outcomes.append(t.result()))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
@@ -344,6 +348,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--requests", type=int, help="stop after this many arrivals, not a duration")
     p.add_argument("--interval-s", type=float, default=60)
     p.add_argument("--rate", type=float, default=2.0, help="requests a second (Poisson)")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=48, help="a request's new tokens: 8 up to this"
+    )
     p.add_argument("--idle-timeout-s", type=float, default=120)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("soak"))

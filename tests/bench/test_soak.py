@@ -19,6 +19,7 @@ def test_short_soak_on_the_session_server(server, tmp_path) -> None:
     # least once before the last sample, which follows the traffic.
     argv = ["--url", server.url, "--pid", str(server.proc.pid), "--requests", "20"]
     argv += ["--interval-s", "0.5", "--rate", "8", "--seed", "3", "--out", str(out)]
+    argv += ["--max-new-tokens", "16"]  # the plumbing, not the pace: short outputs
     soak.main(argv)  # SystemExit(1) on any failed request or integrity verdict but ok
     record = json.loads((out / "soak.json").read_text())
     assert record["requests"] >= 20 and record["failures"] == []
