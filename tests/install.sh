@@ -51,7 +51,7 @@ bytecode_log=$(mktemp)
 bytecode=$!
 
 # aiperf pins versions the server does not run: its own environment over the system's packages
-# (without a pip of its own, whose install took 20 s beside the jobs above: uv, or else the
+# (without a pip of its own, which would only slow the jobs beside it: uv, or else the
 # system's pip, installs into it).
 (python -m venv --without-pip --system-site-packages .venvs/aiperf \
     && install .venvs/aiperf/bin/python -q -r tests/aiperf.txt) \

@@ -93,7 +93,7 @@ def get_decoding_tokenizer(
     """What the detokenizer decodes with: `get_tokenizer`'s tokenizer, or where that is
     `TokenizersBackend` over a `tokenizer.json` it would use as it is, the `tokenizers`
     library's tokenizer of that file alone (`BackendDecoder`), which decodes the same without
-    importing transformers (two seconds of each server start)."""
+    importing transformers, which was most of the detokenizer's start."""
     decoder = BackendDecoder.for_folder(Path(_tokenizer_source(path, tokenizer_path, cache_dir)))
     return decoder if decoder is not None else get_tokenizer(path, tokenizer_path, cache_dir)
 
