@@ -8,9 +8,9 @@ Requests arrive as a Poisson process at `--rate` a second, each of a kind drawn 
 native and OpenAI routes, streaming and not, `n` = 2, logprobs, JSON schemas (a bounded set,
 and some unique ones, which the grammar cache must not keep forever), regexes, forced tool
 calls, clients that leave mid-stream, aborts, client timeouts, and bursts over the queue bound
-(a server started here gets `--max-queued-requests 16`); each asks for 8 to
-`--max-new-tokens` new tokens. Expected refusals (a 503 of a full
-queue) are counted apart; anything else that is not a 2xx is a failure.
+(a server started here gets `--max-queued-requests 16`); each asks for 8 to `--max-new-tokens`
+new tokens. Expected refusals (a 503 of a full queue) are counted apart; anything else that is
+not a 2xx is a failure.
 
 Every `--interval-s` it records, per server process (the main one and its children, read
 from /proc): RSS, open file descriptors and threads; the scheduler's KV token usage and

@@ -90,10 +90,10 @@ def _tokenizer_source(path: str, tokenizer_path: str | None, cache_dir: str | No
 def get_decoding_tokenizer(
     path: str, tokenizer_path: str | None = None, cache_dir: str | None = None
 ) -> Any:
-    """What the detokenizer decodes with: `get_tokenizer`'s tokenizer, or where that is
-    `TokenizersBackend` over a `tokenizer.json` it would use as it is, the `tokenizers`
-    library's tokenizer of that file alone (`BackendDecoder`), which decodes the same without
-    importing transformers, which was most of the detokenizer's start."""
+    """What the detokenizer decodes with: where `get_tokenizer` would give `TokenizersBackend`
+    over a `tokenizer.json` it uses as it is, the `tokenizers` library's tokenizer of that file
+    alone (`BackendDecoder`: it decodes the same, and importing transformers was most of the
+    detokenizer's start); elsewhere `get_tokenizer`'s tokenizer."""
     decoder = BackendDecoder.for_folder(Path(_tokenizer_source(path, tokenizer_path, cache_dir)))
     return decoder if decoder is not None else get_tokenizer(path, tokenizer_path, cache_dir)
 
@@ -110,9 +110,10 @@ _EXTRA_SPECIAL_TOKENS = ("additional_special_tokens", "extra_special_tokens")
 class BackendDecoder:
     """`decode` and `added_tokens_decoder` of a `tokenizers.Tokenizer`, as `TokenizersBackend`
     gives them: its `decode` is the backend's, followed by a clean-up of spaces that it skips
-    for BPE models, and it changes the backend only by adding tokens it lacks. So where the
-    folder is one `get_tokenizer` reads as `TokenizersBackend`, its model is BPE (or the
-    clean-up is off) and no token would be added, decoding with the backend alone is the same
+    for BPE models, and of what decoding reads it changes only the added tokens (it adds those
+    the backend lacks; the rest of its changes are to encoding). So where the folder is one
+    `get_tokenizer` reads as `TokenizersBackend`, its model is BPE (or the clean-up is off) and
+    no token would be added, decoding with the backend alone is the same
     (`tests/srt/test_model_sources.py` checks it)."""
 
     def __init__(self, backend: Any) -> None:
