@@ -121,7 +121,7 @@ class BackendDecoder:
         self.added_tokens_decoder = backend.get_added_tokens_decoder()
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     @classmethod
     def for_folder(cls, folder: Path) -> BackendDecoder | None:

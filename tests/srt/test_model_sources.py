@@ -5,7 +5,10 @@ tokenizer it gives is the one `AutoTokenizer` gives; everywhere else it is `Auto
 from __future__ import annotations
 
 import json
+import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -102,8 +105,6 @@ def test_other_folders_go_through_autotokenizer(
 
 def random_ids(tokenizer, n: int, seed: int) -> list[list[int]]:
     """Id runs that mix ordinary tokens with every added token (special or not)."""
-    import random
-
     rng = random.Random(seed)
     added = list(tokenizer.added_tokens_decoder)
     return [
@@ -158,10 +159,7 @@ def test_a_tokenizer_that_would_change_the_backend_decodes_through_transformers(
 
 
 def test_the_decoding_tokenizer_imports_no_transformers(default_model_path: str) -> None:
-    """What the detokenizer process imports to decode: no transformers (two seconds a start)."""
-    import subprocess
-    import sys
-
+    """What the detokenizer process imports to decode: no transformers (most of its start)."""
     code = (
         "import sys; import managers.detokenizer_manager; "
         "from srt.model_loader.sources import get_decoding_tokenizer as g; "
