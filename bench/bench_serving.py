@@ -137,7 +137,7 @@ async def benchmark(
             return out
 
         rng = np.random.default_rng(seed)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         tasks = []
         for i, row in enumerate(rows):
             if i and math.isfinite(request_rate):
@@ -145,8 +145,12 @@ async def benchmark(
             tasks.append(asyncio.create_task(one(row)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        client_cpu = time.process_time() - cpu_start
         pbar.close()
     config = {"backend": backend, "request_rate": request_rate, "max_concurrency": max_concurrency}
+    # The client's own CPU seconds over the run: one Python thread reads every event, so at
+    # its ceiling (1 s per s) the client, not the server, bounds the throughput.
+    config["client_cpu_s"] = client_cpu
     # Per-request TTFTs (successful requests), for distribution plots such as bench/ab.py's.
     ttfts = {"ttfts_s": [r.ttft for r in results if r.success]}
     return {**config, **summarize(results, duration), **ttfts}
@@ -167,6 +171,7 @@ SUMMARY_ROWS = [
     ("Total token throughput (tok/s):", "total_throughput"),
     ("Concurrency:", "concurrency"),
     ("Prefix cache hit rate:", "prefix_cache_hit_rate"),
+    ("Client CPU seconds:", "client_cpu_s"),
 ]
 LATENCY_SECTIONS = [
     ("End-to-End Latency", "e2e_latency", "E2E Latency"),

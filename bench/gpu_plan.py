@@ -89,17 +89,15 @@ CALLS: list[dict] = [
     {
         "title": "optional, if 5+ device minutes are left: the server over HTTP (flashinfer, bf16)",
         "shows": "the carried server packages work; bench_serving's W1-like burst (256 random "
-        "prompts, input and output U[100, 1024]) through the HTTP server",
+        "prompts, input and output U[100, 1024]) through the HTTP server, with the CPU time per "
+        "output token of each server process and of the client (bench/serving_cpu.py): the "
+        "one near a CPU second per second is what bounds the run",
         "carry": [".gpu/model.sha256"],
         "command": (
-            f"{GUARD} {ENV} $PY -m srt.launch_server --dtype bfloat16 --attention-backend "
-            "flashinfer --port 30000 > $OUT/server.log 2>&1 & SRV=$!; for i in $(seq 180); do "
-            "$PY -c \"import urllib.request as u; u.urlopen('http://127.0.0.1:30000/health')\" "
-            "2> /dev/null && break; sleep 1; done; timeout 240 "
-            "$PY -m bench.bench_serving --port 30000 --dataset-name random --num-prompts 256 "
-            "--random-input-len 1024 --random-output-len 1024 --random-range-ratio 0.098 "
-            "--disable-tqdm --output-file $OUT/serving.jsonl 2>&1 | tee $OUT/serving.log; "
-            "kill $SRV; wait $SRV"
+            f"{GUARD} {ENV} timeout 420 $PY -m bench.serving_cpu --port 30000 --server-args "
+            '"--dtype bfloat16 --attention-backend flashinfer" --server-log $OUT/server.log '
+            "--num-prompts 256 --input-len 1024 --output-len 1024 --range-ratio 0.098 "
+            "2>&1 | tee $OUT/serving.log"
         ),
     },
 ]

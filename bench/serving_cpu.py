@@ -4,9 +4,13 @@ Where a serving run is bound by a process other than the scheduler (the front pr
 runs HTTP and the tokenizer manager on one Python thread, or the detokenizer), that process's
 CPU time per output token is its ceiling: one core carries 1e6 / (µs per token) tokens a
 second. The script starts a server, reads each of its processes' CPU time (/proc) before and
-after one `bench_serving` run, and prints seconds and µs per output token per process.
+after one `bench_serving` run, and prints seconds and µs per output token per process, and
+the client's own (`bench_serving` times its CPU over the run): a client at one CPU second per
+second bounds the run, not the server.
 
     python -m bench.serving_cpu --model-path MODEL --num-prompts 128 --output-len 256
+    python -m bench.serving_cpu --server-args "--dtype bfloat16 --attention-backend flashinfer" \\
+        --num-prompts 256 --input-len 1024 --output-len 1024 --range-ratio 0.098  # the GPU run
 """
 
 from __future__ import annotations
@@ -46,27 +50,23 @@ def processes(server: subprocess.Popen) -> dict[int, str]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model-path", required=True)
+    p.add_argument("--model-path", default=None, help="default: the default model")
     p.add_argument("--port", type=int, default=31555)
     p.add_argument("--num-prompts", type=int, default=128)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--range-ratio", type=float, default=1.0, help="bench_serving's random range")
     p.add_argument("--backend", default="radixrt", help="bench_serving's --backend")
     p.add_argument("--server-args", default="--dtype float32", help="extra launch_server args")
+    p.add_argument("--server-log", default=None, help="the server's output (default: dropped)")
     args = p.parse_args(argv)
+    model = ["--model-path", args.model_path] if args.model_path else []
+    log = open(args.server_log, "wb") if args.server_log else subprocess.DEVNULL  # noqa: SIM115
     server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "srt.launch_server",
-            "--model-path",
-            args.model_path,
-            "--port",
-            str(args.port),
-            *args.server_args.split(),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        [sys.executable, "-m", "srt.launch_server", *model, "--port", str(args.port)]
+        + args.server_args.split(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -81,28 +81,12 @@ def main(argv: list[str] | None = None) -> None:
         named = processes(server)
         before = {pid: cpu_seconds(pid) for pid in named}
         run = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "bench.bench_serving",
-                "--port",
-                str(args.port),
-                "--backend",
-                args.backend,
-                "--dataset-name",
-                "random",
-                "--num-prompts",
-                str(args.num_prompts),
-                "--random-input-len",
-                str(args.input_len),
-                "--random-output-len",
-                str(args.output_len),
-                "--random-range-ratio",
-                "1.0",
-                "--tokenizer",
-                args.model_path,
-                "--disable-tqdm",
-            ],
+            [sys.executable, "-m", "bench.bench_serving", "--port", str(args.port)]
+            + ["--backend", args.backend, "--dataset-name", "random"]
+            + ["--num-prompts", str(args.num_prompts), "--random-input-len", str(args.input_len)]
+            + ["--random-output-len", str(args.output_len)]
+            + ["--random-range-ratio", str(args.range_ratio), "--disable-tqdm"]
+            + (["--tokenizer", args.model_path] if args.model_path else []),
             capture_output=True,
             text=True,
             check=True,
@@ -111,14 +95,18 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         server.terminate()
         server.wait()
+        if log is not subprocess.DEVNULL:
+            log.close()
+    print(run.stdout, end="")
     tokens = int(re.search(r"Total generated tokens:\s+(\d+)", run.stdout).group(1))
     if tokens == 0:
-        raise SystemExit(f"no token was generated:\n{run.stdout[-2000:]}")
-    rate = re.search(r"Output token throughput \(tok/s\):\s+([\d.]+)", run.stdout).group(1)
-    print(f"{tokens} output tokens, {rate} tok/s")
+        raise SystemExit("no token was generated")
+    print(f"CPU time per output token ({tokens} tokens):")
     for pid, name in named.items():
         spent = after[pid] - before[pid]
         print(f"{spent:7.2f} s CPU  {spent / tokens * 1e6:6.1f} µs/token  {name}")
+    client = float(re.search(r"Client CPU seconds:\s+([\d.]+)", run.stdout).group(1))
+    print(f"{client:7.2f} s CPU  {client / tokens * 1e6:6.1f} µs/token  client (bench_serving)")
 
 
 if __name__ == "__main__":

@@ -25,5 +25,6 @@ def test_gsp_workload_on_real_server(server) -> None:
         assert (m["completed"], m["failed"]) == (6, 0), (backend, m["errors"], server.tail())
         assert m["total_output_tokens"] == 6 * 8, backend
         assert m["mean_ttft_ms"] > 0 and m["mean_itl_ms"] > 0, backend
+        assert m["client_cpu_s"] > 0, backend  # bench.serving_cpu reads it
     assert results["radixrt"]["total_input_tokens"] == 6 * 72
     assert results["radixrt"]["prefix_cache_hit_rate"] > 0.3, results["radixrt"]
