@@ -16,7 +16,6 @@ by them and is a no-op in SSE (it dispatches an event only when data was buffere
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -44,9 +43,17 @@ def sse_event(obj: Any) -> bytes:
 
 
 class SSEResponse(StreamingResponse):
-    """Sends an already-produced first chunk, then the rest; always closes the stream."""
+    """Streams `events` after a first chunk: `first`, already produced, or the pending first
+    event (`start_sse`'s slow case), awaited with `keepalive` sent every
+    `KEEPALIVE_INTERVAL_S`. Always closes the stream. Each event is sent from this one loop:
+    a stream of a thousand tokens crosses no extra generator per event."""
 
-    def __init__(self, first: bytes, events: AsyncGenerator[bytes, None]) -> None:
+    def __init__(
+        self,
+        first: bytes | asyncio.Future[bytes],
+        events: AsyncGenerator[bytes, None],
+        keepalive: bytes = KEEPALIVE,
+    ) -> None:
         super().__init__(
             events,
             media_type="text/event-stream",
@@ -54,15 +61,53 @@ class SSEResponse(StreamingResponse):
         )
         self._first = first
         self._events = events
+        self._keepalive = keepalive
 
     async def stream_response(self, send: Send) -> None:
-        # Starlette leaves the iterator open when it is cancelled mid-send (disconnect).
-        async with contextlib.aclosing(self._events):
+        first = self._first
+        try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            await send({"type": "http.response.body", "body": self._first, "more_body": True})
+            if isinstance(first, bytes):
+                await _send_body(send, first)
+            elif not await self._after_keepalives(first, send):
+                await _send_body(send, b"", more=False)
+                return
             async for event in self._events:
-                await send({"type": "http.response.body", "body": event, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                await _send_body(send, event)
+            await _send_body(send, b"", more=False)
+        finally:
+            # Also when Starlette cancels us mid-send (disconnect): the pending first event's
+            # task is cancelled before the generator it runs in is closed.
+            if isinstance(first, asyncio.Future):
+                await _close(first, self._events)
+            else:
+                await self._events.aclose()
+
+    async def _after_keepalives(self, first: asyncio.Future[bytes], send: Send) -> bool:
+        """Keep-alives until the first event, then it; False when the stream ends there (no
+        event, or an error sent as an event)."""
+        await _send_body(send, self._keepalive)  # at once: the headers go with it
+        while not first.done():
+            await asyncio.wait({first}, timeout=KEEPALIVE_INTERVAL_S)
+            if not first.done():
+                await _send_body(send, self._keepalive)
+        try:
+            await _send_body(send, first.result())
+            return True
+        except StopAsyncIteration:
+            return False
+        except RequestError as err:
+            error = sse_error_event(err.message, err.status_code, err.param)
+        except Exception as err:  # the response has started: report it, do not raise
+            logger.exception("Stream failed before its first event")
+            error = sse_error_event(f"Internal server error: {type(err).__name__}: {err}")
+        await _send_body(send, error)
+        await _send_body(send, SSE_DONE)
+        return False
+
+
+async def _send_body(send: Send, body: bytes, more: bool = True) -> None:
+    await send({"type": "http.response.body", "body": body, "more_body": more})
 
 
 async def start_sse(events: AsyncGenerator[bytes, None], keepalive: bytes = KEEPALIVE) -> Response:
@@ -76,7 +121,7 @@ async def start_sse(events: AsyncGenerator[bytes, None], keepalive: bytes = KEEP
         await _close(first, events)
         raise
     if not first.done():
-        return SSEResponse(keepalive, _after_keepalives(first, events, keepalive))
+        return SSEResponse(first, events, keepalive)
     try:
         head = first.result()
     except RequestError as err:
@@ -84,33 +129,6 @@ async def start_sse(events: AsyncGenerator[bytes, None], keepalive: bytes = KEEP
     except StopAsyncIteration:
         head = SSE_DONE
     return SSEResponse(head, events)
-
-
-async def _after_keepalives(
-    first: asyncio.Future[bytes], events: AsyncGenerator[bytes, None], keepalive: bytes
-) -> AsyncGenerator[bytes, None]:
-    try:
-        while not first.done():
-            await asyncio.wait({first}, timeout=KEEPALIVE_INTERVAL_S)
-            if not first.done():
-                yield keepalive
-        try:
-            yield first.result()
-        except StopAsyncIteration:
-            return
-        except RequestError as err:
-            yield sse_error_event(err.message, err.status_code, err.param)
-            yield SSE_DONE
-            return
-        except Exception as err:  # the response has started: report it, do not raise
-            logger.exception("Stream failed before its first event")
-            yield sse_error_event(f"Internal server error: {type(err).__name__}: {err}")
-            yield SSE_DONE
-            return
-        async for event in events:
-            yield event
-    finally:
-        await _close(first, events)
 
 
 async def _close(first: asyncio.Future[bytes], events: AsyncGenerator[bytes, None]) -> None:

@@ -78,6 +78,16 @@ def test_slow_first_event_gets_keepalives_first() -> None:
     assert chunks[-2:] == [b"data: 1\n\n", SSE_DONE]
 
 
+def test_a_slow_first_event_sends_a_keepalive_at_once(monkeypatch) -> None:
+    """The headers leave with the first keep-alive, not one interval later."""
+    monkeypatch.setattr(sse, "KEEPALIVE_INTERVAL_S", 30.0)
+
+    async def go() -> list[bytes]:
+        return await body_of(await start_sse(Source(0.2).events()))
+
+    assert asyncio.run(go()) == [KEEPALIVE, b"data: 1\n\n", SSE_DONE]
+
+
 def test_slow_error_becomes_an_error_event() -> None:
     async def go() -> list[bytes]:
         source = Source(0.2, RequestError.overloaded("timed out waiting"))
