@@ -4,7 +4,7 @@ Lifecycle of one `generate_request` call:
 
     validate + tokenize ──▶ ReqState per sample (rid -> state) ──PUSH──▶ scheduler
                                    ▲
-    handle_loop ◀──PULL── BatchStrOut (detokenizer), stats and control replies (scheduler)
+    _drain ◀──PULL── BatchStrOut (detokenizer), stats and control replies (scheduler)
         │ appends text / ids / logprobs to the state, records metrics, and wakes the caller
         ▼
     caller (HTTP route or Engine) yields cumulative outputs; leaving early (client gone,
@@ -75,6 +75,8 @@ TOKENIZE_THREADS = 2
 DRAIN_POLL_S = 0.05
 # The idle scheduler beats once a second: never call it hung after less than this.
 MIN_HEARTBEAT_SILENCE_S = 2.0
+# Output messages handled per reader callback before the loop serves its other work.
+DRAIN_BATCH = 64
 
 
 class TokenizerManager:
@@ -129,20 +131,41 @@ class TokenizerManager:
             raise RuntimeError("a TokenizerManager serves one event loop; this is another one")
         self.loop = loop
         self.last_heartbeat = time.monotonic()  # nothing was read before this loop ran
-        ctx = zmq.asyncio.Context(1)
-        self.recv_socket = zmq_socket(ctx, zmq.PULL, self.port_args.tokenizer_ipc, bind=True)
-        self.send_to_scheduler = zmq_socket(
-            ctx, zmq.PUSH, self.port_args.scheduler_input_ipc, bind=False
+        # The outputs arrive on a plain socket read from the loop's reader callback
+        # (`_drain`), the requests leave through an asyncio one.
+        self.recv_socket = zmq_socket(
+            zmq.Context.instance(), zmq.PULL, self.port_args.tokenizer_ipc, bind=True
         )
-        self.handle_task = loop.create_task(self.handle_loop())
+        self.send_to_scheduler = zmq_socket(
+            zmq.asyncio.Context(1), zmq.PUSH, self.port_args.scheduler_input_ipc, bind=False
+        )
+        loop.add_reader(self.recv_socket.getsockopt(zmq.FD), self._drain)
+        loop.call_soon(self._drain)  # anything that came before the reader was added
 
-    async def handle_loop(self) -> None:
-        while True:
-            msg = await self.recv_socket.recv_pyobj()
+    def _drain(self) -> None:
+        """Handle the messages waiting, up to `DRAIN_BATCH`; more are left to a callback
+        after the loop's other ready work (the streams woken by these ones).
+
+        Reading many messages per wake-up is what lets a stream that fell behind catch up:
+        its state takes every step's tokens and is queued once, so its next event carries
+        them all. Awaiting one message at a time (pyzmq's asyncio socket) wakes every stream
+        between two steps' messages, so a front process slower than the scheduler sent one
+        event per token and fell further behind. The socket's file descriptor signals only
+        when the queue goes from empty to not empty, so the loop reads until it is empty or
+        schedules itself again."""
+        if self.recv_socket.closed:
+            return  # closed since this callback was scheduled
+        for _ in range(DRAIN_BATCH):
+            try:
+                msg = self.recv_socket.recv_pyobj(zmq.NOBLOCK)
+            except zmq.Again:
+                return
             try:
                 self.dispatch(msg)
             except Exception:  # a bad message must not stop every other request
                 logger.exception("Failed to handle %s", type(msg).__name__)
+        assert self.loop is not None
+        self.loop.call_soon(self._drain)
 
     def dispatch(self, msg: Any) -> None:
         if isinstance(msg, BatchStrOut):
@@ -322,7 +345,7 @@ class TokenizerManager:
         """Stop receiving (call on the manager's loop)."""
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
         if self.loop is not None:
-            self.handle_task.cancel()
+            self.loop.remove_reader(self.recv_socket.getsockopt(zmq.FD))
             self.recv_socket.close()
             self.send_to_scheduler.close()
 
