@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import re
-import subprocess
-import sys
 import time
-import urllib.request
 from typing import Any
+
+from bench.serving_cpu import (
+    add_stream_args,
+    cpu_seconds,
+    reported,
+    stream_random,
+    wait_until_healthy,
+)
 
 STARTUP_TIMEOUT_S = 120
 
@@ -113,19 +117,9 @@ def run_front(port_args: Any, model_path: str, port: int, context_len: int) -> N
     uvicorn.Server(config).run()
 
 
-def cpu_seconds(pid: int) -> float:
-    from bench.serving_cpu import cpu_seconds as read
-
-    return read(pid)
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model-path", default=None, help="whose tokenizer (default model's)")
-    p.add_argument("--port", type=int, default=31556)
-    p.add_argument("--num-prompts", type=int, default=256)
-    p.add_argument("--input-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=256)
+    add_stream_args(p, port=31556, num_prompts=256)
     p.add_argument("--step-ms", type=float, default=10.0, help="the stand-in's decode step")
     p.add_argument("--token-text", default=" word", help="the text of every token")
     args = p.parse_args(argv)
@@ -133,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     from srt.model_loader.sources import resolve_model_path
     from srt.utils.process import PortArgs
 
-    model_path = resolve_model_path(args.model_path)
+    args.model_path = resolve_model_path(args.model_path)
     port_args = PortArgs.new()
     ctx = mp.get_context("spawn")
     stand_in = ctx.Process(
@@ -141,48 +135,29 @@ def main(argv: list[str] | None = None) -> None:
     )
     context_len = args.input_len + args.output_len + 64
     front = ctx.Process(
-        target=run_front, args=(port_args, model_path, args.port, context_len), daemon=True
+        target=run_front, args=(port_args, args.model_path, args.port, context_len), daemon=True
     )
     stand_in.start()
     front.start()
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{args.port}/health")
-                break
-            except OSError:
-                if time.monotonic() > deadline or not front.is_alive():
-                    raise SystemExit("the front process did not start") from None
-                time.sleep(0.5)
+        wait_until_healthy(args.port, front.is_alive, STARTUP_TIMEOUT_S)
         before = cpu_seconds(front.pid)
-        run = subprocess.run(
-            [sys.executable, "-m", "bench.bench_serving", "--port", str(args.port)]
-            + ["--dataset-name", "random", "--num-prompts", str(args.num_prompts)]
-            + ["--random-input-len", str(args.input_len)]
-            + ["--random-output-len", str(args.output_len), "--random-range-ratio", "1.0"]
-            + ["--tokenizer", model_path, "--disable-tqdm", "--warmup-requests", "0"],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
+        report = stream_random(args, "--random-range-ratio", "1.0", "--warmup-requests", "0")
         front_cpu = cpu_seconds(front.pid) - before  # ~0 while the client starts
     finally:
         for proc in (front, stand_in):
             proc.terminate()
             proc.join(5)
         port_args.cleanup()
-    tokens = int(re.search(r"Total generated tokens:\s+(\d+)", run.stdout).group(1))
-    rate = float(re.search(r"Output token throughput \(tok/s\):\s+([\d.]+)", run.stdout).group(1))
-    duration = float(re.search(r"Benchmark duration \(s\):\s+([\d.]+)", run.stdout).group(1))
-    client = float(re.search(r"Client CPU seconds:\s+([\d.]+)", run.stdout).group(1))
+    tokens = int(reported(report, "Total generated tokens"))
+    duration = reported(report, "Benchmark duration (s)")
     if tokens != args.num_prompts * args.output_len:
         raise SystemExit(f"{tokens} tokens arrived, not {args.num_prompts * args.output_len}")
     offered = args.num_prompts * 1e3 / args.step_ms
     print(f"{args.num_prompts} streams x {args.output_len} tokens, a step every {args.step_ms} ms")
     print(f"offered  {offered:9.0f} tok/s (all streams running)")
-    print(f"received {rate:9.0f} tok/s")
-    for name, cpu in (("front", front_cpu), ("client", client)):
+    print(f"received {reported(report, 'Output token throughput (tok/s)'):9.0f} tok/s")
+    for name, cpu in (("front", front_cpu), ("client", reported(report, "Client CPU seconds"))):
         print(
             f"{name:7s}  {cpu / duration:5.2f} CPU s/s  {cpu / tokens * 1e6:6.1f} µs/token"
             f"  ({cpu:.2f} s in {duration:.2f} s)"

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 STARTUP_TIMEOUT_S = 300
@@ -30,6 +31,42 @@ STARTUP_TIMEOUT_S = 300
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def add_stream_args(p: argparse.ArgumentParser, port: int, num_prompts: int) -> None:
+    """The flags of the streamed random workload, shared with `bench.front_capacity`."""
+    p.add_argument("--model-path", default=None, help="default: the default model")
+    p.add_argument("--port", type=int, default=port)
+    p.add_argument("--num-prompts", type=int, default=num_prompts)
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=256)
+
+
+def wait_until_healthy(port: int, alive: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health")
+            return
+        except OSError:
+            if time.monotonic() > deadline or not alive():
+                raise SystemExit("the server did not start") from None
+            time.sleep(0.5)
+
+
+def stream_random(args: argparse.Namespace, *extra: str) -> str:
+    """Run `bench_serving` on the random workload of `add_stream_args`; its report."""
+    cmd = [sys.executable, "-m", "bench.bench_serving", "--port", str(args.port)]
+    cmd += ["--dataset-name", "random", "--num-prompts", str(args.num_prompts)]
+    cmd += ["--random-input-len", str(args.input_len)]
+    cmd += ["--random-output-len", str(args.output_len), "--disable-tqdm", *extra]
+    cmd += ["--tokenizer", args.model_path] if args.model_path else []
+    return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+
+
+def reported(report: str, label: str) -> float:
+    """A figure of `bench_serving`'s report, by its label."""
+    return float(re.search(rf"{re.escape(label)}:?\s+([\d.]+)", report).group(1))
 
 
 def processes(server: subprocess.Popen) -> dict[int, str]:
@@ -50,11 +87,7 @@ def processes(server: subprocess.Popen) -> dict[int, str]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model-path", default=None, help="default: the default model")
-    p.add_argument("--port", type=int, default=31555)
-    p.add_argument("--num-prompts", type=int, default=128)
-    p.add_argument("--input-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=256)
+    add_stream_args(p, port=31555, num_prompts=128)
     p.add_argument("--range-ratio", type=float, default=1.0, help="bench_serving's random range")
     p.add_argument("--backend", default="radixrt", help="bench_serving's --backend")
     p.add_argument("--server-args", default="--dtype float32", help="extra launch_server args")
@@ -69,43 +102,26 @@ def main(argv: list[str] | None = None) -> None:
         stderr=subprocess.STDOUT,
     )
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{args.port}/health")
-                break
-            except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise SystemExit("the server did not start") from None
-                time.sleep(1)
+        wait_until_healthy(args.port, lambda: server.poll() is None, STARTUP_TIMEOUT_S)
         named = processes(server)
         before = {pid: cpu_seconds(pid) for pid in named}
-        run = subprocess.run(
-            [sys.executable, "-m", "bench.bench_serving", "--port", str(args.port)]
-            + ["--backend", args.backend, "--dataset-name", "random"]
-            + ["--num-prompts", str(args.num_prompts), "--random-input-len", str(args.input_len)]
-            + ["--random-output-len", str(args.output_len)]
-            + ["--random-range-ratio", str(args.range_ratio), "--disable-tqdm"]
-            + (["--tokenizer", args.model_path] if args.model_path else []),
-            capture_output=True,
-            text=True,
-            check=True,
-        )
+        extra = ["--backend", args.backend, "--random-range-ratio", str(args.range_ratio)]
+        report = stream_random(args, *extra)
         after = {pid: cpu_seconds(pid) for pid in named}
     finally:
         server.terminate()
         server.wait()
         if log is not subprocess.DEVNULL:
             log.close()
-    print(run.stdout, end="")
-    tokens = int(re.search(r"Total generated tokens:\s+(\d+)", run.stdout).group(1))
+    print(report, end="")
+    tokens = int(reported(report, "Total generated tokens"))
     if tokens == 0:
         raise SystemExit("no token was generated")
     print(f"CPU time per output token ({tokens} tokens):")
     for pid, name in named.items():
         spent = after[pid] - before[pid]
         print(f"{spent:7.2f} s CPU  {spent / tokens * 1e6:6.1f} µs/token  {name}")
-    client = float(re.search(r"Client CPU seconds:\s+([\d.]+)", run.stdout).group(1))
+    client = reported(report, "Client CPU seconds")
     print(f"{client:7.2f} s CPU  {client / tokens * 1e6:6.1f} µs/token  client (bench_serving)")
 
 
