@@ -10,7 +10,8 @@ scheduler and the detokenizer together in its own process, takes the tokenized r
 from the front process's ZMQ socket and, every `--step-ms`, sends one `BatchStrOut` with one
 token (`--token-text`) for every running request, finishing each after its `max_new_tokens`.
 The front process is the one `launch_server` runs (`create_app` over a `TokenizerManager`,
-under uvicorn), and `bench_serving` streams `/generate` from it.
+under uvicorn), and `bench_serving` streams `/generate` from it (prompts as token ids: the
+front process loads no tokenizer, and a prompt's tokenizing is per request, not per token).
 
 Reported: the output tok/s the stand-in offered and the one the client saw, and the CPU
 seconds per second and per token of the front process and of the client. A process at ~1 CPU
@@ -110,7 +111,8 @@ def run_front(port_args: Any, model_path: str, port: int, context_len: int) -> N
     from srt.entrypoints.http_server import create_app
     from srt.server_args import ServerArgs
 
-    args = ServerArgs(model_path=model_path, port=port, device="cpu")
+    # Prompts come as ids and the stand-in sends the text: no tokenizer to load.
+    args = ServerArgs(model_path=model_path, port=port, device="cpu", skip_tokenizer_init=True)
     ready = SchedulerReady(model_path, context_len, 49152, 1 << 22, 4096, [], "cpu")
     tm = TokenizerManager(args, port_args, ready, "stand-in")
     config = uvicorn.Config(create_app(tm, args), port=port, log_level="warning")
@@ -142,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         wait_until_healthy(args.port, front.is_alive, STARTUP_TIMEOUT_S)
         before = cpu_seconds(front.pid)
-        report = stream_random(args, "--random-range-ratio", "1.0", "--warmup-requests", "0")
+        extra = ("--random-range-ratio", "1.0", "--warmup-requests", "0")
+        report = stream_random(args, *extra, dataset="random-ids")
         front_cpu = cpu_seconds(front.pid) - before  # ~0 while the client starts
     finally:
         for proc in (front, stand_in):

@@ -54,10 +54,11 @@ def wait_until_healthy(port: int, alive: Callable[[], bool], timeout_s: float) -
             time.sleep(0.5)
 
 
-def stream_random(args: argparse.Namespace, *extra: str) -> str:
-    """Run `bench_serving` on the random workload of `add_stream_args`; its report."""
+def stream_random(args: argparse.Namespace, *extra: str, dataset: str = "random") -> str:
+    """Run `bench_serving` on the random workload of `add_stream_args` (`dataset`: "random",
+    texts, or "random-ids", token ids); its report."""
     cmd = [sys.executable, "-m", "bench.bench_serving", "--port", str(args.port)]
-    cmd += ["--dataset-name", "random", "--num-prompts", str(args.num_prompts)]
+    cmd += ["--dataset-name", dataset, "--num-prompts", str(args.num_prompts)]
     cmd += ["--random-input-len", str(args.input_len)]
     cmd += ["--random-output-len", str(args.output_len), "--disable-tqdm", *extra]
     cmd += ["--tokenizer", args.model_path] if args.model_path else []

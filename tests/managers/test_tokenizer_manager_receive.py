@@ -35,7 +35,7 @@ def stand_in_step(rid: str, step: int) -> BatchStrOut:
 
 def test_a_stream_behind_the_scheduler_catches_up_in_few_events(default_model_path: str) -> None:
     port_args = PortArgs.new()
-    args = ServerArgs(model_path=default_model_path, device="cpu")
+    args = ServerArgs(model_path=default_model_path, device="cpu", skip_tokenizer_init=True)
     ready = SchedulerReady(default_model_path, 4096, 49152, 1 << 16, 64, [], "cpu")
     tm = TokenizerManager(args, port_args, ready, "stand-in")
     ctx = zmq.Context()
