@@ -91,13 +91,16 @@ CALLS: list[dict] = [
         "shows": "the carried server packages work; bench_serving's W1-like burst (256 random "
         "prompts, input and output U[100, 1024]) through the HTTP server, with the CPU time per "
         "output token of each server process and of the client (bench/serving_cpu.py): the "
-        "one near a CPU second per second is what bounds the run",
+        "one near a CPU second per second is what bounds the run; then the front process "
+        "alone on this host's CPU with a stand-in scheduler offering 51k tok/s "
+        "(bench/front_capacity.py)",
         "carry": [".gpu/model.sha256"],
         "command": (
             f"{GUARD} {ENV} timeout 420 $PY -m bench.serving_cpu --port 30000 --server-args "
             '"--dtype bfloat16 --attention-backend flashinfer" --server-log $OUT/server.log '
             "--num-prompts 256 --input-len 1024 --output-len 1024 --range-ratio 0.098 "
-            "2>&1 | tee $OUT/serving.log"
+            "2>&1 | tee $OUT/serving.log; timeout 120 $PY -m bench.front_capacity --num-prompts "
+            "256 --output-len 512 --step-ms 5 2>&1 | tee $OUT/front_capacity.log"
         ),
     },
 ]
