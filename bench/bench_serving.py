@@ -148,12 +148,11 @@ async def benchmark(
         client_cpu = time.process_time() - cpu_start
         pbar.close()
     config = {"backend": backend, "request_rate": request_rate, "max_concurrency": max_concurrency}
-    # The client's own CPU seconds over the run: one Python thread reads every event, so at
-    # its ceiling (1 s per s) the client, not the server, bounds the throughput.
-    config["client_cpu_s"] = client_cpu
     # Per-request TTFTs (successful requests), for distribution plots such as bench/ab.py's.
     ttfts = {"ttfts_s": [r.ttft for r in results if r.success]}
-    return {**config, **summarize(results, duration), **ttfts}
+    # The client's own CPU seconds over the run: one Python thread reads every event, so at
+    # its ceiling (1 s per s) the client, not the server, bounds the throughput.
+    return {**config, **summarize(results, duration), "client_cpu_s": client_cpu, **ttfts}
 
 
 SUMMARY_ROWS = [

@@ -52,7 +52,8 @@ class StandInScheduler:
         self.outbox = zmq_socket(ctx, zmq.PUSH, port_args.tokenizer_ipc, bind=False)
         self.step_s = step_s
         self.token_text = token_text
-        self.running: dict[str, list[int]] = {}  # rid -> [prompt tokens, tokens left, done]
+        # rid -> [prompt tokens, max new tokens, tokens produced]
+        self.running: dict[str, list[int]] = {}
 
     def serve(self) -> None:
         from managers.io_struct import AbortReq, TokenizedGenerateReqInput
@@ -62,8 +63,8 @@ class StandInScheduler:
             while self.inbox.poll(0):
                 msg = self.inbox.recv_pyobj()
                 if isinstance(msg, TokenizedGenerateReqInput):
-                    left = msg.sampling_params.max_new_tokens or 1
-                    self.running[msg.rid] = [len(msg.input_ids), left, 0]
+                    wanted = msg.sampling_params.max_new_tokens or 1
+                    self.running[msg.rid] = [len(msg.input_ids), wanted, 0]
                 elif isinstance(msg, AbortReq):
                     self.running.pop(msg.rid, None)
             if self.running:
@@ -88,10 +89,9 @@ class StandInScheduler:
 
         outputs = []
         for rid, req in list(self.running.items()):
-            req[1] -= 1
-            req[2] += 1
-            finish = finish_length(req[2]) if req[1] <= 0 else None
-            out = ReqOutput(rid, [42], finish, req[0], req[2], 0, DecodeOptions())
+            prompt_tokens, wanted, req[2] = req[0], req[1], req[2] + 1
+            finish = finish_length(wanted) if req[2] == wanted else None
+            out = ReqOutput(rid, [42], finish, prompt_tokens, req[2], 0, DecodeOptions())
             outputs.append(ReqStrOutput(out, self.token_text))
             if finish is not None:
                 del self.running[rid]
